@@ -1,0 +1,1991 @@
+"""andpush: fast, dependency-free Firebase Cloud Messaging (FCM) for Python.
+
+One module, standard library only, Python 3.8+. Pushes go over kept-alive HTTPS
+connections from a thread-safe, fork-safe pool, so one TLS handshake serves any
+number of messages. Usage::
+
+    import andpush
+
+    with andpush.new(server_key) as client:
+        response = client.push({
+            "to": device_token,
+            "notification": {"title": "Update", "body": "Ready"},
+            "data": {"extra": "data"},
+        })
+        print(response.status_code, response.json["success"])
+        print(response.errors)            # {token: "NotRegistered", ...}
+
+The life of a pooled connection (each edge is what moves it)::
+
+    connect() --> IN_USE --response read, keep-alive--> IDLE
+                   |  ^                                  |
+                   |  +-------- get(): still alive ------+
+                   |                                     |
+      error, timeout, Connection: close    idle too long, closed by the server,
+                   |                       or created before os.fork()
+                   v                                     v
+                 CLOSED <--------------------------------+
+
+Errors form one tree; each says whose fault it is::
+
+    Error
+     +-- NetworkError      no answer: may_have_been_delivered says if it may have arrived
+     +-- HTTPError         the server answered with a non-2xx status
+          +-- ClientError  4xx: InvalidArgumentError, UnregisteredError, ...
+          +-- ServerError  5xx: InternalError, UnavailableError
+"""
+
+import base64
+import binascii
+import email.utils
+import hashlib
+import http.client
+import json
+import logging
+import math
+import os
+import random
+import re
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from typing import (
+    Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Type, Union,
+)
+
+__version__ = "0.1.0"
+__all__ = [
+    "new", "build", "Client", "Response", "Headers",
+    "Error", "NetworkError", "HTTPError", "ClientError", "ServerError",
+    "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
+    "QuotaExceededError", "ThirdPartyAuthError", "InternalError", "UnavailableError",
+]
+
+log = logging.getLogger("andpush")
+
+#: Where FCM lives; tests and gateways pass another ``endpoint``.
+DEFAULT_ENDPOINT = "https://fcm.googleapis.com"
+#: Seconds to wait for a TCP connection and TLS handshake.
+DEFAULT_CONNECT_TIMEOUT = 10.0
+#: Seconds to wait for each read of a response.
+DEFAULT_READ_TIMEOUT = 30.0
+#: Most connections open at once per client.
+DEFAULT_POOL_SIZE = 10
+#: Seconds a connection may sit idle before it is replaced rather than reused.
+DEFAULT_KEEP_ALIVE_TIMEOUT = 60.0
+
+_MAX_BODY = 4 * 1024 * 1024    # bytes of a response body we are willing to hold
+_MAX_HEAD = 64 * 1024          # bytes of a status line plus headers
+_RECV_SIZE = 64 * 1024
+_USER_AGENT = "andpush/" + __version__
+
+
+# Errors ######################################################################
+# What can go wrong, as one tree of exceptions that carry what a caller needs.
+
+class Error(Exception):
+    """Base class of every error andpush raises on purpose."""
+
+
+class NetworkError(Error, OSError):
+    """No complete answer: could not connect, TLS failed, timed out, or the connection broke.
+
+    ``may_have_been_delivered`` is False only when the request provably never reached the
+    server, so it is safe to send again; when True, sending again may deliver it twice.
+    """
+
+    def __init__(self, message: str, *, may_have_been_delivered: bool) -> None:
+        super().__init__(message)
+        self.may_have_been_delivered = may_have_been_delivered
+
+
+class AuthError(Error):
+    """Credentials could not be loaded, or an access token could not be obtained."""
+
+
+class HTTPError(Error):
+    """The server answered with a status outside 2xx; ``response`` holds the answer."""
+
+    def __init__(self, response: "Response") -> None:
+        self.response = response
+        self.status_code = response.status_code
+        self.error_code = _error_code(response)
+        self.retry_after = _retry_after(response.headers.get("retry-after"))
+        super().__init__(_describe(response, self.error_code))
+
+
+class ClientError(HTTPError):
+    """A 4xx answer: the request needs fixing; sending it again as is will not help."""
+
+
+class ServerError(HTTPError):
+    """A 5xx answer: the server failed; the request may succeed later."""
+
+
+class InvalidArgumentError(ClientError):
+    """INVALID_ARGUMENT (400): a bad token format, field, size or TTL. Fix the message."""
+
+
+class UnregisteredError(ClientError):
+    """UNREGISTERED (404): the token is no longer valid; delete it."""
+
+
+class SenderIdMismatchError(ClientError):
+    """SENDER_ID_MISMATCH (403): the token belongs to another Firebase project."""
+
+
+class QuotaExceededError(ClientError):
+    """QUOTA_EXCEEDED (429): a project, topic or device rate was exceeded; slow down."""
+
+
+class ThirdPartyAuthError(ClientError):
+    """THIRD_PARTY_AUTH_ERROR (401): the APNs certificate or web push key is invalid."""
+
+
+class InternalError(ServerError):
+    """INTERNAL (500): an unknown server error; retry with backoff."""
+
+
+class UnavailableError(ServerError):
+    """UNAVAILABLE (503): the server is overloaded; retry with backoff."""
+
+
+_ERRORS_BY_CODE: Dict[str, Type[HTTPError]] = {
+    "INVALID_ARGUMENT": InvalidArgumentError,
+    "UNREGISTERED": UnregisteredError,
+    "SENDER_ID_MISMATCH": SenderIdMismatchError,
+    "QUOTA_EXCEEDED": QuotaExceededError,
+    "THIRD_PARTY_AUTH_ERROR": ThirdPartyAuthError,
+    "APNS_AUTH_ERROR": ThirdPartyAuthError,
+    "INTERNAL": InternalError,
+    "UNAVAILABLE": UnavailableError,
+}
+
+# A bare 404 is deliberately absent: a wrong project id answers 404 too.
+_ERRORS_BY_STATUS: Dict[int, Type[HTTPError]] = {
+    400: InvalidArgumentError,
+    429: QuotaExceededError,
+    500: InternalError,
+    503: UnavailableError,
+}
+
+
+def _http_error(response: "Response") -> HTTPError:
+    """Map a non-2xx response to the most specific exception class."""
+    code = _error_code(response)
+    cls = _ERRORS_BY_CODE.get(code or "") or _ERRORS_BY_STATUS.get(response.status_code)
+    if cls is None:
+        if 400 <= response.status_code < 500:
+            cls = ClientError
+        elif response.status_code >= 500:
+            cls = ServerError
+        else:
+            cls = HTTPError
+    return cls(response)
+
+
+def _error_envelope(response: "Response") -> Dict[str, Any]:
+    """The v1 ``{"error": {...}}`` object of a response, or {} when there is none."""
+    try:
+        error = response.json.get("error")
+    except (ValueError, AttributeError):
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+def _error_code(response: "Response") -> Optional[str]:
+    """The FCM error code: ``details[].errorCode`` when present, else the v1 status."""
+    envelope = _error_envelope(response)
+    details = envelope.get("details")
+    for detail in details if isinstance(details, list) else ():
+        if isinstance(detail, dict) and isinstance(detail.get("errorCode"), str):
+            return str(detail["errorCode"])
+    status = envelope.get("status")
+    return status if isinstance(status, str) else None
+
+
+def _describe(response: "Response", error_code: Optional[str]) -> str:
+    """A one-line message for an HTTPError: status, code and the server's explanation."""
+    text = "HTTP %d %s" % (response.status_code, response.reason)
+    if error_code:
+        text += " (%s)" % error_code
+    message = _error_envelope(response).get("message")
+    if isinstance(message, str) and message:
+        text += ": " + message[:300]
+    return text
+
+
+def _retry_after(value: Optional[str]) -> Optional[float]:
+    """Seconds from a Retry-After header in either form (seconds or HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+# Responses ###################################################################
+# What a push returns: status, headers and body, with the JSON parsed on demand.
+
+class Headers(Mapping[str, str]):
+    """Response headers, looked up case-insensitively; repeated headers are joined by ", "."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Dict[str, str]) -> None:
+        self._items = items
+
+    def __getitem__(self, name: str) -> str:
+        return self._items[name.lower()]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.lower() in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return "Headers(%r)" % (self._items,)
+
+
+class Response:
+    """A 2xx answer from FCM (error answers raise HTTPError and hang off it)."""
+
+    __slots__ = ("status_code", "reason", "headers", "body", "_json", "_tokens")
+
+    def __init__(self, status_code: int, reason: str, headers: Headers, body: bytes) -> None:
+        self.status_code = status_code
+        self.reason = reason
+        self.headers = headers
+        self.body = body
+        self._json: Any = _UNPARSED
+        self._tokens: Tuple[str, ...] = ()
+
+    @property
+    def json(self) -> Any:
+        """The body parsed as JSON, once; ValueError when the body is not JSON."""
+        if self._json is _UNPARSED:
+            try:
+                self._json = json.loads(self.body)
+            except ValueError:
+                raise ValueError(
+                    "the response body is not JSON (content-type %r); read .body instead"
+                    % self.headers.get("content-type", "")
+                ) from None
+        return self._json
+
+    @property
+    def errors(self) -> Dict[str, str]:
+        """Legacy API: each token whose result is an error, mapped to that error."""
+        return {token: result["error"] for token, result in self._results() if "error" in result}
+
+    @property
+    def canonical_tokens(self) -> Dict[str, str]:
+        """Legacy API: each token FCM replaced, mapped to the token to store instead."""
+        return {
+            token: result["registration_id"]
+            for token, result in self._results() if "registration_id" in result
+        }
+
+    def _results(self) -> List[Tuple[str, Dict[str, str]]]:
+        """Pairs of (request token, its legacy result), in request order."""
+        results = self.json.get("results") if isinstance(self.json, dict) else None
+        if not isinstance(results, list):
+            return []
+        return [(t, r) for t, r in zip(self._tokens, results) if isinstance(r, dict)]
+
+    def __repr__(self) -> str:
+        return "<Response [%d]>" % self.status_code
+
+
+_UNPARSED = object()
+
+
+# Credentials #################################################################
+# OAuth2 access tokens for the v1 API: key files, RS256 in pure Python, caching.
+
+#: The OAuth2 scope that FCM v1 requires.
+FCM_SCOPE = "https://www.googleapis.com/auth/firebase.messaging"
+_GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
+_METADATA_HOST = "metadata.google.internal"
+_JWT_LIFETIME = 3600           # seconds, the most Google accepts
+_TOKEN_REFRESH_MARGIN = 300.0  # seconds before expiry at which a token is replaced
+_TOKEN_RETRIES = 2             # extra attempts for a token endpoint answering 5xx/408/429
+_TOKEN_BACKOFF = 0.5           # seconds before the first of those
+
+# DER tags used by PKCS#1 / PKCS#8 private keys.
+_DER_INTEGER = 0x02
+_DER_OCTET_STRING = 0x04
+_DER_NULL = 0x05
+_DER_OBJECT_IDENTIFIER = 0x06
+_DER_SEQUENCE = 0x30
+_DER_CONTEXT_CLASS = 0x80  # [n] tagged optional fields, e.g. PKCS#8 attributes
+_DER_MAX_LENGTH_BYTES = 3  # long-form lengths 0x81..0x83 (up to 16 MiB) suffice for keys
+
+# rsaEncryption, 1.2.840.113549.1.1.1 (OBJECT IDENTIFIER content bytes).
+_RSA_ENCRYPTION_OID = bytes.fromhex("2a864886f70d010101")
+# Other key algorithms that may turn up in a PKCS#8 file, named in error messages.
+_OTHER_KEY_ALGORITHMS = {
+    bytes.fromhex("2a8648ce3d0201"): "an EC",
+    bytes.fromhex("2b6570"): "an Ed25519",
+    bytes.fromhex("2b6571"): "an Ed448",
+    bytes.fromhex("2a864886f70d01010a"): "an RSASSA-PSS-only",
+}
+# DigestInfo prefix for SHA-256 (RFC 8017 section 9.2, note 1); the digest follows it.
+_SHA256_DIGEST_INFO = bytes.fromhex("3031300d060960864801650304020105000420")
+_SHA256_DIGEST_SIZE = 32
+_MIN_RSA_BITS = 1024  # Google issues 2048-bit keys; anything smaller is broken or fake.
+
+_PEM_BEGIN = "-----BEGIN "
+_PEM_END = "-----END "
+_PEM_DASHES = "-----"
+_PKCS8_LABEL = "PRIVATE KEY"
+_PKCS1_LABEL = "RSA PRIVATE KEY"
+_FIX_HINT = "use the private_key value from the service account JSON file unchanged"
+_CORRUPT_HINT = "check it was copied completely, or create a new service account key"
+_WRONG_LABELS = {
+    "ENCRYPTED PRIVATE KEY": "is an encrypted PKCS#8 key; export the service account key "
+    "unencrypted (as Google issues it)",
+    "EC PRIVATE KEY": "is an EC key, but service account keys are RSA; " + _FIX_HINT,
+    "PUBLIC KEY": "is a public key, not a private key; " + _FIX_HINT,
+    "RSA PUBLIC KEY": "is a public key, not a private key; " + _FIX_HINT,
+    "CERTIFICATE": "is a certificate, not a private key; " + _FIX_HINT,
+    "OPENSSH PRIVATE KEY": "is an OpenSSH key; convert it with "
+    "'ssh-keygen -p -m PKCS8 -f FILE' or " + _FIX_HINT,
+}
+
+
+def _b64url(data: bytes) -> str:
+    """Encode bytes as unpadded base64url, as JWS compact serialization requires."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _malformed(detail: str) -> ValueError:
+    """Build the error for structurally broken key data (detail never holds key bytes)."""
+    return ValueError(f"private_key is not a valid RSA private key ({detail}); {_CORRUPT_HINT}")
+
+
+def _der_read(data: bytes, offset: int) -> Tuple[int, bytes, int]:
+    """Read the DER element at offset; return (tag, value, offset just past it)."""
+    if offset + 2 > len(data):
+        raise _malformed("truncated DER element")
+    tag, length = data[offset], data[offset + 1]
+    offset += 2
+    if length & 0x80:  # long form: the low bits count the length bytes that follow
+        count = length & 0x7F
+        if not 1 <= count <= _DER_MAX_LENGTH_BYTES:
+            raise _malformed("unsupported DER length encoding")
+        if offset + count > len(data):
+            raise _malformed("truncated DER length")
+        length = int.from_bytes(data[offset : offset + count], "big")
+        offset += count
+    end = offset + length
+    if end > len(data):
+        raise _malformed("truncated DER element")
+    return tag, data[offset:end], end
+
+
+def _der_elements(data: bytes) -> List[Tuple[int, bytes]]:
+    """Split concatenated DER elements (such as a SEQUENCE body) into (tag, value) pairs."""
+    elements = []
+    offset = 0
+    while offset < len(data):
+        tag, value, offset = _der_read(data, offset)
+        elements.append((tag, value))
+    return elements
+
+
+def _der_sequence_body(data: bytes, what: str) -> bytes:
+    """Return the contents of the single SEQUENCE that must make up all of data."""
+    tag, value, end = _der_read(data, 0)
+    if tag != _DER_SEQUENCE:
+        raise _malformed(f"{what} is not a DER SEQUENCE")
+    if end != len(data):
+        raise _malformed(f"{len(data) - end} bytes of trailing data after {what}")
+    return value
+
+
+def _der_integer(tag: int, value: bytes) -> int:
+    """Decode a DER INTEGER that must be non-negative (all RSA key fields are)."""
+    if tag != _DER_INTEGER or not value:
+        raise _malformed("expected a DER INTEGER")
+    if value[0] & 0x80:
+        raise _malformed("unexpected negative INTEGER")
+    return int.from_bytes(value, "big")
+
+
+class _RSAPrivateKey:
+    """An RSA private key with CRT parameters, plus precomputed signing constants."""
+
+    __slots__ = ("d", "dp", "dq", "e", "em_prefix", "n", "p", "q", "qinv", "size")
+
+    def __init__(self, n: int, e: int, d: int, p: int, q: int, dp: int, dq: int, qinv: int):
+        """Store the key numbers and precompute the fixed part of every encoded message."""
+        self.n, self.e, self.d = n, e, d
+        self.p, self.q, self.dp, self.dq, self.qinv = p, q, dp, dq, qinv
+        self.size = (n.bit_length() + 7) // 8  # k in RFC 8017: modulus length in bytes
+        padding = self.size - len(_SHA256_DIGEST_INFO) - _SHA256_DIGEST_SIZE - 3
+        # EM = 00 01 FF..FF 00 DigestInfo digest; all but the digest is fixed per key.
+        self.em_prefix = b"\x00\x01" + b"\xff" * padding + b"\x00" + _SHA256_DIGEST_INFO
+
+    def __repr__(self) -> str:
+        """Describe the key by size only, so logs and tracebacks never leak key material."""
+        return f"<RSA private key, {self.n.bit_length()} bits>"
+
+
+def _check_rsa_key(key: _RSAPrivateKey) -> None:
+    """Reject keys whose numbers are inconsistent, since CRT signing would emit bad signatures."""
+    if key.n.bit_length() < _MIN_RSA_BITS:
+        raise ValueError(
+            f"private_key is a {key.n.bit_length()}-bit RSA key, but at least {_MIN_RSA_BITS} "
+            f"bits are required; {_FIX_HINT}"
+        )
+    if key.e < 3 or key.e % 2 == 0 or min(key.p, key.q, key.d) < 2:
+        raise _malformed("public or private exponent out of range")
+    if key.p * key.q != key.n:
+        raise _malformed("p*q != n")
+    if key.dp != key.d % (key.p - 1) or key.dq != key.d % (key.q - 1):
+        raise _malformed("CRT exponents do not match d")
+    if (key.e * key.dp) % (key.p - 1) != 1 or (key.e * key.dq) % (key.q - 1) != 1:
+        raise _malformed("private exponent does not match e")
+    if (key.qinv * key.q) % key.p != 1:
+        raise _malformed("CRT coefficient is not q^-1 mod p")
+
+
+def _parse_pkcs1(der: bytes) -> _RSAPrivateKey:
+    """Parse RSAPrivateKey ::= SEQUENCE {0, n, e, d, p, q, dP, dQ, qInv} (RFC 8017 A.1.2)."""
+    elements = _der_elements(_der_sequence_body(der, "RSAPrivateKey"))
+    if not elements or _der_integer(*elements[0]) != 0:
+        raise _malformed("unsupported RSAPrivateKey version; multi-prime keys are unsupported")
+    if len(elements) != 9:
+        raise _malformed(f"RSAPrivateKey has {len(elements)} fields instead of 9")
+    n, e, d, p, q, dp, dq, qinv = (_der_integer(tag, value) for tag, value in elements[1:])
+    return _RSAPrivateKey(n, e, d, p, q, dp, dq, qinv)
+
+
+def _check_rsa_algorithm(algorithm: bytes) -> None:
+    """Require AlgorithmIdentifier {rsaEncryption, NULL}; name the algorithm otherwise."""
+    fields = _der_elements(algorithm)
+    if not fields or fields[0][0] != _DER_OBJECT_IDENTIFIER:
+        raise _malformed("PrivateKeyInfo has no algorithm OBJECT IDENTIFIER")
+    oid = fields[0][1]
+    if oid != _RSA_ENCRYPTION_OID:
+        kind = _OTHER_KEY_ALGORITHMS.get(oid, "a non-RSA")
+        raise ValueError(
+            f"private_key is {kind} key, but service account keys are RSA; {_FIX_HINT}"
+        )
+    if fields[1:] not in ([], [(_DER_NULL, b"")]):
+        raise _malformed("unexpected rsaEncryption parameters")
+
+
+def _parse_pkcs8(der: bytes) -> _RSAPrivateKey:
+    """Parse PrivateKeyInfo ::= SEQUENCE {version, AlgorithmIdentifier, OCTET STRING key, ...}."""
+    elements = _der_elements(_der_sequence_body(der, "PrivateKeyInfo"))
+    if len(elements) < 3:
+        raise _malformed("PrivateKeyInfo is missing fields")
+    (version_tag, version), (algorithm_tag, algorithm), (key_tag, key) = elements[:3]
+    if _der_integer(version_tag, version) not in (0, 1):  # 1 = OneAsymmetricKey (RFC 5958)
+        raise _malformed("unsupported PrivateKeyInfo version")
+    if algorithm_tag != _DER_SEQUENCE:
+        raise _malformed("PrivateKeyInfo algorithm is not a SEQUENCE")
+    _check_rsa_algorithm(algorithm)
+    if key_tag != _DER_OCTET_STRING:
+        raise _malformed("PrivateKeyInfo privateKey is not an OCTET STRING")
+    if any(tag & 0xC0 != _DER_CONTEXT_CLASS for tag, _ in elements[3:]):
+        raise _malformed("unexpected fields after PrivateKeyInfo privateKey")
+    return _parse_pkcs1(key)
+
+
+def _pem_decode(pem: str) -> Tuple[str, bytes]:
+    """Split one PEM block into its label and DER bytes, explaining any problem found."""
+    lines = pem.strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    if not (first.startswith(_PEM_BEGIN) and first.endswith(_PEM_DASHES) and len(lines) > 1):
+        hint = " (it has literal '\\n' sequences: decode the JSON string)" if "\\n" in pem else ""
+        raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
+    label = first[len(_PEM_BEGIN) : -len(_PEM_DASHES)]
+    if label in _WRONG_LABELS:
+        raise ValueError(f"private_key {_WRONG_LABELS[label]}")
+    if label not in (_PKCS8_LABEL, _PKCS1_LABEL):
+        raise ValueError(f"private_key has unsupported PEM type {label[:40]!r}; {_FIX_HINT}")
+    body = [line.strip() for line in lines[1:-1]]
+    if any(line.startswith(_PEM_DASHES) for line in body):
+        raise ValueError("private_key holds more than one PEM block; pass only the private key")
+    if lines[-1].strip() != f"{_PEM_END}{label}{_PEM_DASHES}":
+        raise ValueError(f"private_key has no '{_PEM_END}{label}-----' line; {_FIX_HINT}")
+    if any(line.startswith("Proc-Type:") for line in body):
+        raise ValueError(
+            "private_key is an encrypted PEM key; export the service account key unencrypted "
+            "(as Google issues it)"
+        )
+    try:
+        return label, base64.b64decode("".join(body), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"private_key PEM body is not valid base64; {_CORRUPT_HINT}") from None
+
+
+def _parse_private_key(pem: str) -> _RSAPrivateKey:
+    """Parse a PKCS#8 or PKCS#1 PEM RSA private key and check that its numbers agree."""
+    if not isinstance(pem, str):
+        raise TypeError(f"private_key must be a PEM string, not {type(pem).__name__}")
+    label, der = _pem_decode(pem)
+    key = _parse_pkcs8(der) if label == _PKCS8_LABEL else _parse_pkcs1(der)
+    _check_rsa_key(key)
+    return key
+
+
+def _rs256_sign(key: _RSAPrivateKey, message: bytes) -> bytes:
+    """Sign with RSASSA-PKCS1-v1_5 over SHA-256 (JWS RS256), using the CRT for speed."""
+    m = int.from_bytes(key.em_prefix + hashlib.sha256(message).digest(), "big")
+    s1 = pow(m, key.dp, key.p)
+    s2 = pow(m, key.dq, key.q)
+    h = (key.qinv * (s1 - s2)) % key.p
+    return (s2 + key.q * h).to_bytes(key.size, "big")
+
+
+def _jwt(header: Dict[str, Any], claims: Dict[str, Any], key: _RSAPrivateKey) -> str:
+    """Build a compact RS256-signed JWT, e.g. an OAuth2 service-account assertion."""
+    parts = (json.dumps(part, separators=(",", ":")).encode("utf-8") for part in (header, claims))
+    signing_input = ".".join(_b64url(part) for part in parts)
+    return signing_input + "." + _b64url(_rs256_sign(key, signing_input.encode("ascii")))
+
+class _Credentials:
+    """A source of access tokens, with the project id it knows of (if any)."""
+
+    project_id: Optional[str] = None
+    refreshable = True
+
+    def fetch(self) -> Tuple[str, Optional[float]]:
+        """A new access token and its lifetime in seconds (None: unknown)."""
+        raise NotImplementedError
+
+    def find_project_id(self) -> Optional[str]:
+        return self.project_id
+
+    def close(self) -> None:
+        """Release the connections used to fetch tokens."""
+
+    def __repr__(self) -> str:
+        return "<%s project_id=%r>" % (type(self).__name__, self.project_id)
+
+
+class _TokenGrant(_Credentials):
+    """Credentials that trade a form POST to an OAuth2 token endpoint for a token."""
+
+    def __init__(self, token_uri: str, connect: "_Connector") -> None:
+        origin, self._token_path = _split_url(token_uri, "token_uri")
+        self._transport = connect(origin)
+
+    def fetch(self) -> Tuple[str, Optional[float]]:
+        body = urllib.parse.urlencode(self._grant()).encode("ascii")
+        headers = {"Content-Type": "application/x-www-form-urlencoded"}
+        return _token_from(_request_token(self._transport, "POST", self._token_path, headers, body))
+
+    def _grant(self) -> Dict[str, str]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._transport.close()
+
+
+class _ServiceAccount(_TokenGrant):
+    """A service account key file: sign a JWT with its private key (RFC 7523 grant)."""
+
+    def __init__(self, info: Dict[str, Any], connect: "_Connector") -> None:
+        self._email = _field(info, "client_email")
+        self._key_id = str(info.get("private_key_id") or "")
+        try:
+            self._key = _parse_private_key(_field(info, "private_key"))
+        except ValueError as exc:
+            raise AuthError("service account key: %s" % exc) from None
+        self._token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
+        self.project_id = info.get("project_id") or None
+        super().__init__(self._token_uri, connect)
+
+    def _grant(self) -> Dict[str, str]:
+        return {
+            "grant_type": "urn:ietf:params:oauth:grant-type:jwt-bearer",
+            "assertion": self.assertion(int(time.time())),
+        }
+
+    def assertion(self, now: int) -> str:
+        """The signed JWT that asks for an FCM access token."""
+        header = {"alg": "RS256", "typ": "JWT", "kid": self._key_id}
+        claims = {
+            "iss": self._email, "scope": FCM_SCOPE, "aud": self._token_uri,
+            "iat": now, "exp": now + _JWT_LIFETIME,
+        }
+        return _jwt(header, claims, self._key)
+
+
+class _AuthorizedUser(_TokenGrant):
+    """gcloud's user credentials: trade the refresh token for an access token."""
+
+    def __init__(self, info: Dict[str, Any], connect: "_Connector") -> None:
+        self._grant_fields = {
+            "grant_type": "refresh_token",
+            "client_id": _field(info, "client_id"),
+            "client_secret": _field(info, "client_secret"),
+            "refresh_token": _field(info, "refresh_token"),
+        }
+        self.project_id = info.get("quota_project_id") or None
+        super().__init__(str(info.get("token_uri") or _GOOGLE_TOKEN_URI), connect)
+
+    def _grant(self) -> Dict[str, str]:
+        return self._grant_fields
+
+
+class _MetadataServer(_Credentials):
+    """The metadata server of GCE, Cloud Run and GKE: the attached service account's token."""
+
+    _HEADERS = {"Metadata-Flavor": "Google"}
+    _TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
+    _PROJECT_PATH = "/computeMetadata/v1/project/project-id"
+
+    def __init__(self, host: str, tried: List[str], connect: "_Connector") -> None:
+        self._tried = tried + ["the metadata server at %s" % host]
+        self._transport = connect("http://" + host)
+
+    def fetch(self) -> Tuple[str, Optional[float]]:
+        return _token_from(self._get(self._TOKEN_PATH))
+
+    def find_project_id(self) -> Optional[str]:
+        if self.project_id is None:
+            self.project_id = self._get(self._PROJECT_PATH).body.decode("utf-8").strip()
+        return self.project_id
+
+    def _get(self, path: str) -> Response:
+        try:
+            return _request_token(self._transport, "GET", path, self._HEADERS, b"")
+        except NetworkError as exc:
+            raise AuthError(
+                "no Google credentials found; tried %s (%s). Pass credentials= or set "
+                "GOOGLE_APPLICATION_CREDENTIALS to a service account key file"
+                % (", ".join(self._tried), exc)
+            ) from None
+
+    def close(self) -> None:
+        self._transport.close()
+
+
+class _StaticToken(_Credentials):
+    """An access token obtained elsewhere: a fixed string, or a callable asked each time."""
+
+    def __init__(self, token: Union[str, Callable[[], str]], project_id: str) -> None:
+        self._token = token
+        self.project_id = project_id
+        self.refreshable = callable(token)
+
+    def fetch(self) -> Tuple[str, Optional[float]]:
+        token = self._token() if callable(self._token) else self._token
+        if not isinstance(token, str) or not token or any(c in token for c in "\r\n"):
+            raise AuthError("access_token must be a non-empty str without line breaks")
+        return token, 0.0 if callable(self._token) else None
+
+
+def _field(info: Dict[str, Any], name: str) -> str:
+    value = info.get(name)
+    if not isinstance(value, str) or not value:
+        raise AuthError("credentials have no %r; use the JSON key file as downloaded" % name)
+    return value
+
+
+def _request_token(
+    transport: "_Transport", method: str, path: str, headers: Dict[str, str], body: bytes
+) -> Response:
+    """Ask a token endpoint, retrying briefly what may succeed later (it is idempotent)."""
+    retry = _Retry(_TOKEN_RETRIES, _TOKEN_BACKOFF, idempotent=True, may_refresh=False)
+    while True:
+        try:
+            response = transport.request(method, path, headers, body)
+            if 200 <= response.status_code < 300:
+                return response
+            error: Error = _http_error(response)
+        except NetworkError as exc:
+            error = exc
+        step = retry.after(error)
+        if step is None:
+            raise _auth_error(error) from None
+        retry, wait = step
+        time.sleep(wait)
+
+
+def _auth_error(error: Error) -> Error:
+    """The AuthError for a failed token request, in the token endpoint's own words."""
+    if not isinstance(error, HTTPError):
+        return error
+    try:
+        answer = error.response.json
+        reason = "%s: %s" % (answer["error"], answer.get("error_description", ""))
+    except (ValueError, KeyError, TypeError):
+        reason = "HTTP %d %s" % (error.status_code, error.response.reason)
+    if "invalid_grant" in reason and ("iat" in reason or "exp" in reason or "JWT" in reason):
+        reason += " (is this machine's clock right?)"
+    return AuthError("the token request failed: " + reason.strip().rstrip(":"))
+
+
+def _token_from(response: Response) -> Tuple[str, Optional[float]]:
+    """The access token and lifetime of a token endpoint's 200 answer."""
+    try:
+        answer = response.json
+        token, lifetime = answer["access_token"], answer.get("expires_in")
+    except (ValueError, KeyError, TypeError):
+        raise AuthError("the token endpoint answered without an access_token") from None
+    if not isinstance(token, str) or not token:
+        raise AuthError("the token endpoint answered without an access_token")
+    return token, float(lifetime) if isinstance(lifetime, (int, float)) else None
+
+
+class _TokenCache:
+    """The current access token, refreshed shortly before it expires.
+
+    However many threads find it stale at once, one of them fetches (single flight);
+    the others wait and share its token or its error.
+    """
+
+    def __init__(self, credentials: _Credentials) -> None:
+        self.credentials = credentials
+        self._lock = threading.Lock()
+        self._token: Optional[str] = None
+        self._expires = 0.0
+        self._generation = 0
+        self._error: Optional[Error] = None
+
+    def get(self) -> str:
+        token = self._token
+        if token is not None and time.monotonic() < self._expires:
+            return token
+        generation = self._generation
+        with self._lock:
+            if self._generation != generation:
+                if self._error is not None:
+                    raise self._error
+                if self._token is not None:
+                    return self._token
+            return self._refresh()
+
+    def invalidate(self, token: str) -> None:
+        """Forget ``token`` (the server rejected it) unless it was replaced already."""
+        with self._lock:
+            if self._token == token:
+                self._token = None
+
+    def _refresh(self) -> str:
+        try:
+            token, lifetime = self.credentials.fetch()
+        except Error as exc:
+            self._token, self._error = None, exc
+            raise
+        finally:
+            self._generation += 1
+        self._error = None
+        self._token = token
+        self._expires = (
+            math.inf if lifetime is None
+            else time.monotonic() + max(0.0, lifetime - _TOKEN_REFRESH_MARGIN)
+        )
+        log.debug("got a new access token (lifetime %s s)", lifetime)
+        return token
+
+
+def _load_credentials(source: object, connect: "_Connector") -> _Credentials:
+    """Credentials from a key file path, a dict, or a JSON string."""
+    if isinstance(source, dict):
+        info = source
+    elif isinstance(source, (str, os.PathLike)):
+        info = _read_json_credentials(source)
+    else:
+        raise TypeError(
+            "credentials must be a path, a dict or a JSON string, got %s" % type(source).__name__
+        )
+    kind = info.get("type")
+    if kind == "service_account":
+        return _ServiceAccount(info, connect)
+    if kind == "authorized_user":
+        return _AuthorizedUser(info, connect)
+    raise AuthError(
+        "credentials of type %r are not supported; use a service account key file "
+        "or gcloud's application default credentials" % (kind,)
+    )
+
+
+def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    text = str(source)
+    what = "credentials"
+    if not text.lstrip().startswith("{"):
+        what = "credentials file %r" % text
+        try:
+            with open(source, encoding="utf-8") as file:
+                text = file.read()
+        except OSError as exc:
+            raise AuthError("cannot read %s: %s" % (what, exc.strerror or exc)) from None
+    try:
+        info = json.loads(text)
+    except ValueError:
+        raise AuthError("%s is not JSON; use the key file as downloaded" % what) from None
+    if not isinstance(info, dict):
+        raise AuthError("%s is not a JSON object; use the key file as downloaded" % what)
+    return info
+
+
+def _application_default_credentials(connect: "_Connector") -> _Credentials:
+    """Application Default Credentials, looked up in the order Google's libraries use."""
+    path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if path:
+        return _load_credentials(path, connect)
+    tried = ["GOOGLE_APPLICATION_CREDENTIALS (not set)"]
+    gcloud = os.path.join(_gcloud_config_dir(), "application_default_credentials.json")
+    if os.path.exists(gcloud):
+        return _load_credentials(gcloud, connect)
+    tried.append("%s (not found)" % gcloud)
+    host = os.environ.get("GCE_METADATA_HOST") or _METADATA_HOST
+    return _MetadataServer(host, tried, connect)
+
+
+def _gcloud_config_dir() -> str:
+    configured = os.environ.get("CLOUDSDK_CONFIG")
+    if configured:
+        return configured
+    if os.name == "nt":
+        return os.path.join(os.environ.get("APPDATA", ""), "gcloud")
+    return os.path.join(os.path.expanduser("~"), ".config", "gcloud")
+
+
+# Retries #####################################################################
+# Whether a failed request is sent again, and after how long: decided here only.
+
+#: Retries after a failed send, by default.
+DEFAULT_MAX_RETRIES = 3
+#: Seconds before the first retry; each later wait doubles, with random jitter.
+DEFAULT_BACKOFF_FACTOR = 0.5
+_MAX_RETRY_WAIT = 120.0  # seconds; a longer wait (Retry-After) ends the retries instead
+_QUOTA_WAIT = 60.0       # seconds a 429 waits at least when it gives no Retry-After
+
+
+class _Retry:
+    """What is left of one request's retries: a value, replaced by the next at each attempt.
+
+    Retried: network failures that provably never reached the server, 500, 503 and 429
+    (any network failure, 5xx and 408 when the request is ``idempotent``), and a rejected
+    access token once. A request's waits add up to at most ``retries * _MAX_RETRY_WAIT``.
+    """
+
+    __slots__ = ("retries", "backoff_factor", "idempotent", "attempt", "may_refresh")
+
+    def __init__(
+        self,
+        retries: int,
+        backoff_factor: float,
+        *,
+        idempotent: bool = False,
+        attempt: int = 0,
+        may_refresh: bool = True,
+    ) -> None:
+        self.retries = retries
+        self.backoff_factor = backoff_factor
+        self.idempotent = idempotent
+        self.attempt = attempt
+        self.may_refresh = may_refresh
+
+    def after(self, error: Error) -> Optional[Tuple["_Retry", float]]:
+        """The retry state and wait (seconds) for another attempt, or None to give up."""
+        if self.may_refresh and _is_rejected_token(error):
+            return self._next(retries=self.retries, may_refresh=False), 0.0
+        if self.retries <= 0 or not self._retryable(error):
+            return None
+        wait = self.backoff_factor * 2 ** self.attempt * (0.5 + random.random())
+        retry_after = getattr(error, "retry_after", None)
+        if retry_after is not None:
+            wait = max(wait, retry_after)
+        elif isinstance(error, QuotaExceededError):
+            wait = max(wait, _QUOTA_WAIT)
+        if wait > _MAX_RETRY_WAIT:
+            return None
+        return self._next(retries=self.retries - 1, may_refresh=self.may_refresh), wait
+
+    def _retryable(self, error: Error) -> bool:
+        if isinstance(error, NetworkError):
+            return self.idempotent or not error.may_have_been_delivered
+        if self.idempotent and isinstance(error, HTTPError):
+            return error.status_code in (408, 429) or error.status_code >= 500
+        return isinstance(error, (UnavailableError, InternalError, QuotaExceededError))
+
+    def _next(self, retries: int, may_refresh: bool) -> "_Retry":
+        return _Retry(
+            retries, self.backoff_factor, idempotent=self.idempotent,
+            attempt=self.attempt + 1, may_refresh=may_refresh,
+        )
+
+
+def _is_rejected_token(error: Error) -> bool:
+    """A 401 that blames the access token itself, not APNs or web push credentials."""
+    return (
+        isinstance(error, ClientError)
+        and error.status_code == 401
+        and not isinstance(error, ThirdPartyAuthError)
+    )
+
+
+
+# Transport ###################################################################
+# Kept-alive connections to one origin: connect, send in one write, read, pool.
+
+class _NoAnswer(Exception):
+    """The connection ended before the first byte of a response arrived."""
+
+    def __init__(self, reason: object, *, sent: bool) -> None:
+        super().__init__(reason)
+        self.sent = sent
+
+
+class _StaleConnection(Exception):
+    """A reused connection had been closed by the server: the request was not processed."""
+
+
+class _ProtocolError(Exception):
+    """The server's answer broke HTTP/1.1, or exceeded a limit."""
+
+
+_CLOSED_BEFORE_ANSWER = (
+    ConnectionResetError, ConnectionAbortedError, BrokenPipeError, ssl.SSLEOFError,
+)
+
+
+def _split_url(url: str, what: str) -> Tuple[str, str]:
+    """The origin (``scheme://host:port``) and the path of an http(s) URL."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("https", "http") or not parts.hostname or parts.username:
+        raise ValueError("%s must look like https://host[:port][/path], got %r" % (what, url))
+    path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+    return "%s://%s" % (parts.scheme, parts.netloc), path
+
+
+class _Origin:
+    """Where requests go: scheme, host and port, and the proxy (if any) to tunnel through."""
+
+    __slots__ = ("scheme", "host", "port", "proxy")
+
+    def __init__(self, url: str, proxy: Optional[str]) -> None:
+        origin, path = _split_url(url, "endpoint")
+        if path != "/":
+            raise ValueError(
+                "endpoint takes only scheme, host and port (the paths are FCM's), got %r" % url
+            )
+        parts = urllib.parse.urlsplit(origin)
+        self.scheme = parts.scheme
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.proxy = _parse_proxy(proxy) if proxy else None
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        host = "[%s]" % self.host if ":" in self.host else self.host
+        return host if self.port == default else "%s:%d" % (host, self.port)
+
+    def __repr__(self) -> str:
+        return "%s://%s" % (self.scheme, self.host_header)
+
+
+def _parse_proxy(url: str) -> Tuple[str, int, Dict[str, str]]:
+    """Host, port and CONNECT headers of an ``http://[user:pass@]host:port`` proxy URL."""
+    parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError("proxy must look like http://[user:pass@]host:port")
+    headers = {}
+    if parts.username is not None:
+        credentials = "%s:%s" % (
+            urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
+        )
+        headers["Proxy-Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
+    return parts.hostname, parts.port or 8080, headers
+
+
+def _proxy_from_environment(host: str) -> Optional[str]:
+    """The HTTPS proxy that HTTPS_PROXY / NO_PROXY select for ``host``, as curl reads them."""
+    proxy = os.environ.get("https_proxy") or os.environ.get("HTTPS_PROXY")
+    if not proxy:
+        return None
+    no_proxy = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
+    for entry in (e.strip().lower() for e in no_proxy.split(",")):
+        entry = entry.split(":")[0].lstrip(".") if not entry.startswith("[") else entry
+        if entry == "*" or entry and (host == entry or host.endswith("." + entry)):
+            return None
+    return proxy
+
+
+class _Connection:
+    """One kept-alive HTTP/1.1 connection: a request in one write, a response parsed by hand."""
+
+    __slots__ = ("_sock", "_buffer", "pid", "idle_since", "reused")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray()
+        self.pid = os.getpid()
+        self.idle_since = 0.0
+        self.reused = False
+
+    def exchange(self, request: bytes) -> Tuple[Response, bool]:
+        """Send one request and read its response; also say whether the connection stays open.
+
+        Raises _NoAnswer when the request could not be written or the connection ended
+        before any byte of the answer, OSError for other I/O failures, and _ProtocolError
+        for a malformed answer.
+        """
+        try:
+            self._sock.sendall(request)
+        except OSError as exc:
+            raise _NoAnswer(exc, sent=False) from exc
+        try:
+            self._fill()
+        except _CLOSED_BEFORE_ANSWER as exc:
+            raise _NoAnswer(exc, sent=True) from exc
+        return self._read_response()
+
+    def is_alive(self) -> bool:
+        """Tell, without blocking, whether the server closed this idle connection.
+
+        A readable socket is not a dead one: TLS 1.3 session tickets arrive after the
+        handshake. Only EOF, close_notify, an error, or stray bytes count as dead.
+        """
+        if self._buffer:
+            return False
+        timeout = self._sock.gettimeout()
+        self._sock.setblocking(False)
+        try:
+            self._sock.recv(1)
+        except (ssl.SSLWantReadError, BlockingIOError):
+            return True
+        except OSError:
+            return False
+        finally:
+            self._sock.settimeout(timeout)
+        return False
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _fill(self) -> None:
+        """Append what the socket has to the buffer; EOF is an error here."""
+        chunk = self._sock.recv(_RECV_SIZE)
+        if not chunk:
+            if self._buffer:
+                raise _ProtocolError("the server closed the connection mid-response")
+            raise _NoAnswer("the server closed the connection without answering", sent=True)
+        self._buffer += chunk
+
+    def _read_response(self) -> Tuple[Response, bool]:
+        head_end = self._buffer.find(b"\r\n\r\n")
+        while head_end < 0:
+            if len(self._buffer) > _MAX_HEAD:
+                raise _ProtocolError("response headers exceed %d bytes" % _MAX_HEAD)
+            self._fill_answer()
+            head_end = self._buffer.find(b"\r\n\r\n")
+        head = bytes(self._buffer[:head_end]).decode("latin-1")
+        del self._buffer[:head_end + 4]
+        lines = head.split("\r\n")
+        version, status, reason = _parse_status_line(lines[0])
+        headers = Headers(_parse_header_lines(lines[1:]))
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            body = self._read_chunked()
+            keep = True
+        elif "content-length" in headers:
+            body = self._read_exact(_content_length(headers["content-length"]))
+            keep = True
+        elif status in (204, 304) or 100 <= status < 200:
+            body, keep = b"", True
+        else:
+            body, keep = self._read_to_eof(), False
+        connection = headers.get("connection", "").lower()
+        if version == "HTTP/1.0":
+            keep = keep and "keep-alive" in connection
+        keep = keep and "close" not in connection and not self._buffer
+        return Response(status, reason, headers, body), keep
+
+    def _fill_answer(self) -> None:
+        """_fill, where EOF in the middle of an answer is a protocol error."""
+        try:
+            self._fill()
+        except _NoAnswer:
+            raise _ProtocolError("the server closed the connection mid-response") from None
+
+    def _read_exact(self, size: int) -> bytes:
+        if size > _MAX_BODY:
+            raise _ProtocolError("response body of %d bytes exceeds %d" % (size, _MAX_BODY))
+        while len(self._buffer) < size:
+            self._fill_answer()
+        body = bytes(self._buffer[:size])
+        del self._buffer[:size]
+        return body
+
+    def _read_line(self) -> bytes:
+        end = self._buffer.find(b"\r\n")
+        while end < 0:
+            if len(self._buffer) > _MAX_HEAD:
+                raise _ProtocolError("a chunk header exceeds %d bytes" % _MAX_HEAD)
+            self._fill_answer()
+            end = self._buffer.find(b"\r\n")
+        line = bytes(self._buffer[:end])
+        del self._buffer[:end + 2]
+        return line
+
+    def _read_chunked(self) -> bytes:
+        body = bytearray()
+        while True:
+            size_text = self._read_line().split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise _ProtocolError("bad chunk size %r" % size_text[:20]) from None
+            if size == 0:
+                break
+            if len(body) + size > _MAX_BODY:
+                raise _ProtocolError("chunked response body exceeds %d bytes" % _MAX_BODY)
+            body += self._read_exact(size)
+            if self._read_line():
+                raise _ProtocolError("chunk data not followed by CRLF")
+        while self._read_line():
+            pass  # trailers carry nothing FCM uses
+        return bytes(body)
+
+    def _read_to_eof(self) -> bytes:
+        while True:
+            if len(self._buffer) > _MAX_BODY:
+                raise _ProtocolError("response body exceeds %d bytes" % _MAX_BODY)
+            chunk = self._sock.recv(_RECV_SIZE)
+            if not chunk:
+                break
+            self._buffer += chunk
+        body = bytes(self._buffer)
+        self._buffer.clear()
+        return body
+
+
+def _parse_status_line(line: str) -> Tuple[str, int, str]:
+    version, _, rest = line.partition(" ")
+    code, _, reason = rest.partition(" ")
+    if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+        raise _ProtocolError("malformed status line %r" % line[:40])
+    return version, int(code), reason.strip()
+
+
+def _parse_header_lines(lines: List[str]) -> Dict[str, str]:
+    headers: Dict[str, str] = {}
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not name or name != name.strip():
+            raise _ProtocolError("malformed header line %r" % line[:40])
+        name = name.lower()
+        value = value.strip()
+        headers[name] = headers[name] + ", " + value if name in headers else value
+    return headers
+
+
+def _content_length(value: str) -> int:
+    if not value.isdigit():
+        raise _ProtocolError("bad Content-Length %r" % value[:20])
+    return int(value)
+
+
+class _Pool:
+    """Idle connections to one origin, most recently used first, at most ``size`` open.
+
+    The pool only opens, hands out, takes back and discards connections; what to do
+    when a request fails is the transport's business.
+    """
+
+    def __init__(
+        self,
+        connect: Callable[[], _Connection],
+        size: int,
+        keep_alive_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._connect = connect
+        self._size = size
+        self._keep_alive_timeout = keep_alive_timeout
+        self._clock = clock
+        self._reset()
+
+    def _reset(self) -> None:
+        """Start empty: at creation, and in a child process that inherited the pool."""
+        self._pid = os.getpid()
+        self._condition = threading.Condition(threading.Lock())
+        self._idle: List[_Connection] = []
+        self._open = 0
+        self._closed = False
+
+    def get(self) -> _Connection:
+        """The most recently used live idle connection, else a new one."""
+        while True:
+            connection = self._acquire(reuse=True)
+            if connection is None:
+                return self._open_in_slot()
+            if self._clock() - connection.idle_since < self._keep_alive_timeout and (
+                connection.is_alive()
+            ):
+                connection.reused = True
+                return connection
+            log.debug("replacing a connection that was idle too long or closed by the server")
+            self.discard(connection)
+
+    def new(self) -> _Connection:
+        """A new connection, never a reused one."""
+        self._acquire(reuse=False)
+        return self._open_in_slot()
+
+    def _acquire(self, reuse: bool) -> Optional[_Connection]:
+        """Wait for an idle connection (when ``reuse``) or a free slot, whichever comes.
+
+        Returns the idle connection, or None after counting a new one as open.
+        """
+        if self._pid != os.getpid():
+            log.debug("process forked: dropping the connections of the parent")
+            self._reset()
+        with self._condition:
+            while True:
+                if self._closed:
+                    raise ValueError("the client is closed; create a new one")
+                if reuse and self._idle:
+                    return self._idle.pop()
+                if self._open < self._size:
+                    self._open += 1
+                    return None
+                if not reuse and self._idle:
+                    self._idle.pop(0).close()
+                    self._open -= 1
+                    continue
+                self._condition.wait()
+
+    def _open_in_slot(self) -> _Connection:
+        try:
+            return self._connect()
+        except BaseException:
+            self._release()
+            raise
+
+    def widen(self, connections: int) -> None:
+        """Change how many connections may be open at once; extra idle ones are closed."""
+        with self._condition:
+            self._size += connections
+            surplus = self._idle[:max(0, self._open - self._size)]
+            del self._idle[:len(surplus)]
+            self._condition.notify_all()
+        for connection in surplus:
+            self.discard(connection)
+
+    def put(self, connection: _Connection) -> None:
+        """Take back a connection that finished a response and may be reused."""
+        connection.idle_since = self._clock()
+        with self._condition:
+            if not self._closed and connection.pid == self._pid and self._open <= self._size:
+                self._idle.append(connection)
+                self._condition.notify()
+                return
+        self.discard(connection)
+
+    def discard(self, connection: _Connection) -> None:
+        """Close a connection and free its slot."""
+        connection.close()
+        self._release()
+
+    def close(self) -> None:
+        """Close the idle connections; those in use are closed when they come back."""
+        with self._condition:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._condition.notify_all()
+        for connection in idle:
+            self.discard(connection)
+
+    def _release(self) -> None:
+        with self._condition:
+            self._open -= 1
+            self._condition.notify()
+
+
+class _Transport:
+    """Sends requests to one origin over pooled connections: the one place a request is sent."""
+
+    def __init__(
+        self,
+        origin: _Origin,
+        ssl_context: ssl.SSLContext,
+        connect_timeout: float,
+        read_timeout: float,
+        pool_size: int,
+        keep_alive_timeout: float,
+    ) -> None:
+        self.origin = origin
+        self._ssl_context = ssl_context
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._pool = _Pool(self._connect, pool_size, keep_alive_timeout)
+
+    def request(self, method: str, path: str, headers: Dict[str, str], body: bytes) -> Response:
+        """Send one request and return its response, whatever the status.
+
+        A reused connection that turns out closed before any byte of the answer is
+        replaced and the request sent once more: the server provably did not process it.
+        Every other failure raises NetworkError, saying whether it may have been delivered.
+        """
+        data = self._encode(method, path, headers, body)
+        try:
+            return self._exchange(self._pool.get(), data)
+        except _StaleConnection:
+            log.debug("reused connection closed by the server; sending again on a new one")
+            return self._exchange(self._pool.new(), data)
+
+    def _exchange(self, connection: _Connection, data: bytes) -> Response:
+        """One request on one connection, which goes back to the pool or is discarded."""
+        try:
+            response, keep = connection.exchange(data)
+        except BaseException as exc:
+            self._pool.discard(connection)
+            if isinstance(exc, _NoAnswer) and connection.reused:
+                raise _StaleConnection() from exc
+            raise _network_error(exc, self.origin) from exc
+        if keep:
+            self._pool.put(connection)
+        else:
+            self._pool.discard(connection)
+        return response
+
+    def widen(self, connections: int) -> None:
+        """Allow ``connections`` more (fewer, when negative) connections open at once."""
+        self._pool.widen(connections)
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def _encode(self, method: str, path: str, headers: Dict[str, str], body: bytes) -> bytes:
+        lines = [
+            "%s %s HTTP/1.1" % (method, path),
+            "Host: " + self.origin.host_header,
+            "User-Agent: " + _USER_AGENT,
+            "Content-Length: %d" % len(body),
+        ]
+        lines.extend("%s: %s" % item for item in headers.items())
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+    def _connect(self) -> _Connection:
+        """Open a connection (through the proxy, if any); NetworkError when that fails."""
+        origin = self.origin
+        conn: http.client.HTTPConnection
+        if origin.proxy:
+            proxy_host, proxy_port, proxy_headers = origin.proxy
+            address = (proxy_host, proxy_port)
+        else:
+            address = (origin.host, origin.port)
+        if origin.scheme == "https":
+            conn = http.client.HTTPSConnection(
+                *address, timeout=self._connect_timeout, context=self._ssl_context
+            )
+        else:
+            conn = http.client.HTTPConnection(*address, timeout=self._connect_timeout)
+        if origin.proxy:
+            conn.set_tunnel(origin.host, origin.port, headers=proxy_headers)
+        try:
+            conn.connect()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise NetworkError(
+                "could not connect to %r: %s" % (origin, _reason(exc)),
+                may_have_been_delivered=False,
+            ) from exc
+        sock = conn.sock
+        conn.sock = None
+        sock.settimeout(self._read_timeout)
+        log.debug("connected to %r", origin)
+        return _Connection(sock)
+
+
+class _Connector:
+    """Makes transports that share the client's TLS, timeout and proxy settings."""
+
+    def __init__(
+        self,
+        ssl_context: Optional[ssl.SSLContext],
+        connect_timeout: float,
+        read_timeout: float,
+        keep_alive_timeout: float,
+        proxy: Optional[str],
+    ) -> None:
+        self._ssl_context = ssl_context or ssl.create_default_context()
+        self._timeouts = connect_timeout, read_timeout
+        self._keep_alive_timeout = keep_alive_timeout
+        self._proxy = proxy
+
+    def __call__(self, url: str, pool_size: int = 1) -> "_Transport":
+        """A transport to ``url``'s origin; https goes through the proxy, if one applies."""
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        https = url.lower().startswith("https:")
+        proxy = (self._proxy or _proxy_from_environment(host)) if https else None
+        return _Transport(
+            _Origin(url, proxy), self._ssl_context, *self._timeouts,
+            pool_size, self._keep_alive_timeout,
+        )
+
+
+def _network_error(exc: BaseException, origin: _Origin) -> BaseException:
+    """The NetworkError a failed exchange raises; other exceptions pass through unchanged."""
+    if isinstance(exc, _NoAnswer) and not exc.sent:
+        return NetworkError(
+            "could not send the request to %r: %s" % (origin, _reason(exc)),
+            may_have_been_delivered=False,
+        )
+    if isinstance(exc, _NoAnswer):
+        message = "the connection to %r closed before an answer" % (origin,)
+    elif isinstance(exc, socket.timeout):
+        message = "no answer from %r within the read timeout" % (origin,)
+    elif isinstance(exc, (OSError, _ProtocolError)):
+        message = "the exchange with %r failed: %s" % (origin, _reason(exc))
+    else:
+        return exc
+    return NetworkError(message, may_have_been_delivered=True)
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+# Messages ####################################################################
+# The two FCM APIs: where a message goes, how it is wrapped, and what is wrong with it.
+
+_TARGETS = ("token", "topic", "condition", "fid")
+_TOPIC_NAME = re.compile(r"[a-zA-Z0-9\-_.~%]{1,900}\Z")
+_RESERVED_DATA_KEYS = ("from", "message_type")
+_RESERVED_DATA_PREFIXES = ("google", "gcm")
+
+
+def _check_message(message: object) -> Dict[str, Any]:
+    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix."""
+    if not isinstance(message, dict):
+        raise TypeError("message must be a dict, got %s" % type(message).__name__)
+    targets = [name for name in _TARGETS if name in message]
+    if len(targets) != 1:
+        raise ValueError(
+            "message needs exactly one target of token, topic, condition or fid; got %s"
+            % (", ".join(targets) or "none")
+        )
+    target = message[targets[0]]
+    if not isinstance(target, str) or not target:
+        raise ValueError("message %r must be a non-empty str" % targets[0])
+    if targets[0] == "topic":
+        _check_topic(target)
+    _check_data(message.get("data"), "data")
+    android = message.get("android")
+    if isinstance(android, dict):
+        _check_data(android.get("data"), "android.data")
+    return message
+
+
+def _check_topic(topic: str) -> None:
+    if topic.startswith("/topics/"):
+        raise ValueError("topic names go without the /topics/ prefix: use %r" % topic[8:])
+    if not _TOPIC_NAME.match(topic):
+        raise ValueError(
+            "topic %r is not a valid topic name: use 1 to 900 of a-z A-Z 0-9 - _ . ~ %%"
+            % topic[:40]
+        )
+
+
+def _check_data(data: object, where: str) -> None:
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise TypeError("message %s must be a dict of str to str" % where)
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise TypeError("message %s keys must be str, got %r" % (where, key))
+        if not isinstance(value, str):
+            raise TypeError(
+                "message %s[%r] must be a str, got %s: FCM takes only strings; "
+                "convert it, e.g. with str() or json.dumps()" % (where, key, type(value).__name__)
+            )
+        if key in _RESERVED_DATA_KEYS or key.startswith(_RESERVED_DATA_PREFIXES):
+            raise ValueError("message %s key %r is reserved by FCM; rename it" % (where, key))
+
+
+def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
+    """Serialise a message, with a clear TypeError/ValueError when it cannot be."""
+    try:
+        text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except TypeError as exc:
+        raise TypeError("%s is not JSON-serialisable: %s" % (what, exc)) from None
+    except ValueError as exc:
+        raise ValueError("%s is not JSON-serialisable: %s" % (what, exc)) from None
+    return text.encode("utf-8")
+
+
+def _legacy_tokens(message: Dict[str, Any]) -> Tuple[str, ...]:
+    """The device tokens a legacy message goes to, in the order FCM answers for them."""
+    ids = message.get("registration_ids")
+    if isinstance(ids, list):
+        return tuple(str(t) for t in ids)
+    to = message.get("to")
+    return (to,) if isinstance(to, str) and not to.startswith("/topics/") else ()
+
+
+class _LegacyAPI:
+    """The legacy HTTP API: ``POST /fcm/send`` with ``Authorization: key=...``."""
+
+    name = "legacy"
+    refreshable = False
+
+    def __init__(self, server_key: str) -> None:
+        self._headers = {"Authorization": "key=" + server_key, "Content-Type": "application/json"}
+
+    def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
+        """Path, body and target tokens of a push; TypeError/ValueError for a bad message."""
+        if not isinstance(message, dict):
+            raise TypeError("message must be a dict, got %s" % type(message).__name__)
+        if validate_only:
+            message = dict(message, dry_run=True)
+        return "/fcm/send", _encode_json(message), _legacy_tokens(message)
+
+    def headers(self) -> Tuple[Dict[str, str], str]:
+        return self._headers, ""
+
+    def project_path(self) -> str:
+        raise ValueError("topic management needs the v1 API: create the client with credentials")
+
+    def invalidate(self, token: str) -> None:
+        """Nothing to refresh: a server key does not expire."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class _V1API:
+    """The HTTP v1 API: ``POST /v1/projects/<p>/messages:send`` with an OAuth2 bearer token."""
+
+    name = "v1"
+
+    def __init__(self, credentials: _Credentials, project_id: Optional[str]) -> None:
+        self._tokens = _TokenCache(credentials)
+        self._project_id = project_id
+        self._project_path = ""
+        self.refreshable = credentials.refreshable
+
+    def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
+        body = _encode_json(_check_message(message))
+        tail = b',"validate_only":true}' if validate_only else b',"validate_only":false}'
+        return self.project_path() + "/messages:send", b'{"message":' + body + tail, ()
+
+    def headers(self) -> Tuple[Dict[str, str], str]:
+        token = self._tokens.get()
+        return {"Authorization": "Bearer " + token, "Content-Type": "application/json"}, token
+
+    def project_path(self) -> str:
+        """``/v1/projects/<id>``, the project found once: given, in the key, environment, GCE."""
+        if not self._project_path:
+            credentials = self._tokens.credentials
+            project = (
+                self._project_id or credentials.project_id
+                or os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
+                or credentials.find_project_id()
+            )
+            if not project:
+                raise AuthError(
+                    "no Firebase project id: pass project_id= or set GOOGLE_CLOUD_PROJECT"
+                )
+            self._project_path = "/v1/projects/" + urllib.parse.quote(project, safe="")
+        return self._project_path
+
+    def invalidate(self, token: str) -> None:
+        self._tokens.invalidate(token)
+
+    def close(self) -> None:
+        self._tokens.credentials.close()
+
+
+# Client ######################################################################
+# The public face: push one message, push many, manage topics.
+
+#: Messages in flight at once in push_many, by default.
+DEFAULT_CONCURRENCY = 50
+_WINDOW_PER_WORKER = 4  # outcomes push_many may hold per worker, in flight or unconsumed
+
+Outcome = Union[Response, Exception]
+
+
+class Client:
+    """A thread-safe FCM client holding a pool of kept-alive connections.
+
+    Make one with ``andpush.new(...)``, share it between threads, and close it (or use
+    ``with``) when done. In a forked child it opens connections of its own.
+    """
+
+    def __init__(
+        self,
+        api: Union[_LegacyAPI, _V1API],
+        transport: _Transport,
+        retry: _Retry,
+        rate_limit: Optional[float],
+    ) -> None:
+        self._api = api
+        self._transport = transport
+        self._retry = retry
+        self._interval = 1.0 / rate_limit if rate_limit else 0.0
+        self._pace_lock = threading.Lock()
+        self._paused_until = 0.0
+        self._next_slot = 0.0
+        self._clock: Callable[[], float] = time.monotonic
+        self._sleep: Callable[[float], None] = time.sleep
+
+    def push(self, message: Dict[str, Any], *, validate_only: bool = False) -> Response:
+        """Send one message; return the 2xx Response or raise an andpush.Error.
+
+        ``validate_only`` asks FCM to check the message without delivering it. With the
+        legacy API a 200 whose results hold per-token errors is a success: see
+        ``Response.errors`` and ``Response.canonical_tokens``.
+        """
+        path, body, tokens = self._api.prepare(message, validate_only)
+        response = self._send("POST", path, body)
+        response._tokens = tokens
+        return response
+
+    def push_many(
+        self,
+        messages: Iterable[Dict[str, Any]],
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> Iterator[Outcome]:
+        """Send many messages at once; yield one outcome per message, in input order.
+
+        An outcome is the Response, or the exception ``push()`` would have raised (an
+        andpush.Error, or the TypeError/ValueError of a bad message, which is not sent).
+        ``messages`` is read lazily; closing or dropping the iterator stops sending what
+        has not started. ``progress(done, failed)`` is called from the sending threads.
+        """
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ValueError("concurrency must be a positive int, got %r" % (concurrency,))
+        return _Outcomes(self._outcome, messages, concurrency, self._transport, progress)
+
+    def subscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
+        """Subscribe each token to ``topic``; one outcome per token, in order."""
+        return self._manage_topic("POST", tokens, topic)
+
+    def unsubscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
+        """Unsubscribe each token from ``topic``; one outcome per token, in order."""
+        return self._manage_topic("DELETE", tokens, topic)
+
+    def close(self) -> None:
+        """Close the idle connections; the client cannot send afterwards."""
+        self._transport.close()
+        self._api.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return "<andpush.Client %s %r>" % (self._api.name, self._transport.origin)
+
+    def _send(self, method: str, path: str, body: bytes) -> Response:
+        """Send a request, retrying as _Retry decides: the one loop every request goes through."""
+        retry = self._retry
+        while True:
+            self._pace()
+            headers, token = self._api.headers()
+            try:
+                response = self._transport.request(method, path, headers, body)
+                if 200 <= response.status_code < 300:
+                    return response
+                error: Error = _http_error(response)
+            except NetworkError as exc:
+                error = exc
+            step = retry.after(error)
+            if step is None:
+                raise error
+            retry, wait = step
+            log.info("retrying in %.2f s after: %s", wait, error)
+            if _is_rejected_token(error):
+                self._api.invalidate(token)
+            if isinstance(error, QuotaExceededError):
+                self._pause(wait)
+            elif wait:
+                self._sleep(wait)
+
+    def _pace(self) -> None:
+        """Wait out a client-wide pause (after a 429), then for a slot under rate_limit."""
+        with self._pace_lock:
+            now = self._clock()
+            start = max(now, self._paused_until, self._next_slot)
+            if self._interval:
+                self._next_slot = start + self._interval
+        if start > now:
+            self._sleep(start - now)
+
+    def _pause(self, seconds: float) -> None:
+        """Hold every send of this client for ``seconds``: the project is over its quota."""
+        with self._pace_lock:
+            self._paused_until = max(self._paused_until, self._clock() + seconds)
+
+    def _outcome(self, message: Dict[str, Any]) -> Outcome:
+        try:
+            return self.push(message)
+        except (Error, TypeError, ValueError) as exc:
+            return exc
+
+    def _manage_topic(self, method: str, tokens: Iterable[str], topic: str) -> List[Outcome]:
+        if not isinstance(topic, str):
+            raise TypeError("topic must be a str, got %s" % type(topic).__name__)
+        _check_topic(topic)
+        if isinstance(tokens, str):
+            raise TypeError("tokens must be a list of str, not one str")
+        tokens = list(tokens)
+        for token in tokens:
+            if not isinstance(token, str) or not token:
+                raise ValueError("every token must be a non-empty str")
+        base = self._api.project_path() + "/registrations/"
+        quoted_topic = urllib.parse.quote(topic, safe="")
+
+        def manage(token: str) -> Outcome:
+            path = base + urllib.parse.quote(token, safe="") + "/topicSubscriptions"
+            if method == "POST":
+                path += "?topic_name=" + quoted_topic
+            else:
+                path += "/" + quoted_topic
+            try:
+                return self._send(method, path, b"{}" if method == "POST" else b"")
+            except HTTPError as exc:
+                return exc.response if exc.error_code == "ALREADY_EXISTS" or (
+                    exc.status_code == 409) else exc
+            except Error as exc:
+                return exc
+
+        return list(_Outcomes(manage, tokens, min(len(tokens), DEFAULT_CONCURRENCY) or 1,
+                              self._transport, None))
+
+
+class _Outcomes(Iterator[Outcome]):
+    """Outcomes of ``work`` over ``items``, done on worker threads, yielded in input order.
+
+    Workers read items lazily and run at most a window ahead of the consumer, so memory
+    stays bounded however many items there are. Closing or dropping the iterator stops
+    the workers before their next item.
+    """
+
+    def __init__(
+        self,
+        work: Callable[[Any], Outcome],
+        items: Iterable[Any],
+        workers: int,
+        transport: _Transport,
+        progress: Optional[Callable[[int, int], None]],
+    ) -> None:
+        self._state = _Work(work, iter(items), workers * _WINDOW_PER_WORKER, progress)
+        self._transport = transport
+        transport.widen(workers)
+        self._workers = workers
+        for _ in range(workers):
+            threading.Thread(target=self._state.run, name="andpush-push_many", daemon=True).start()
+
+    def __next__(self) -> Outcome:
+        try:
+            return self._state.next_outcome()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop sending what has not started; outcomes not yet yielded are dropped."""
+        if self._workers:
+            self._state.stop()
+            self._transport.widen(-self._workers)
+            self._workers = 0
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _Work:
+    """What _Outcomes' workers share: the input, the outcomes waiting, and the counts."""
+
+    def __init__(
+        self,
+        work: Callable[[Any], Outcome],
+        items: Iterator[Any],
+        window: int,
+        progress: Optional[Callable[[int, int], None]],
+    ) -> None:
+        self._work = work
+        self._items = items
+        self._window = window
+        self._progress = progress
+        self._condition = threading.Condition()
+        self._outcomes: Dict[int, Outcome] = {}
+        self._read = 0          # items taken from the input
+        self._yielded = 0       # outcomes handed to the consumer
+        self._done = 0
+        self._failed = 0
+        self._exhausted = False
+        self._stopped = False
+        self._input_error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        """A worker: take the next item while the window allows, work it, store the outcome."""
+        while True:
+            with self._condition:
+                while not self._stopped and self._read - self._yielded >= self._window:
+                    self._condition.wait()
+                if self._stopped or self._exhausted:
+                    return
+                try:
+                    item = next(self._items)
+                except StopIteration:
+                    self._exhausted = True
+                    self._condition.notify_all()
+                    return
+                except BaseException as exc:  # the caller's generator failed: hand it over
+                    self._exhausted, self._input_error = True, exc
+                    self._condition.notify_all()
+                    return
+                index = self._read
+                self._read += 1
+            outcome = self._work(item)
+            with self._condition:
+                self._outcomes[index] = outcome
+                self._done += 1
+                self._failed += isinstance(outcome, Exception)
+                counts = self._done, self._failed
+                self._condition.notify_all()
+            if self._progress is not None:
+                self._progress(*counts)
+
+    def next_outcome(self) -> Outcome:
+        with self._condition:
+            while self._yielded not in self._outcomes:
+                if self._stopped:
+                    raise StopIteration
+                if self._exhausted and self._yielded == self._read:
+                    if self._input_error is not None:
+                        error, self._input_error = self._input_error, None
+                        raise error
+                    raise StopIteration
+                self._condition.wait()
+            outcome = self._outcomes.pop(self._yielded)
+            self._yielded += 1
+            self._condition.notify_all()
+            return outcome
+
+    def stop(self) -> None:
+        with self._condition:
+            self._stopped = True
+            self._condition.notify_all()
+
+
+def new(
+    server_key: Optional[str] = None,
+    *,
+    credentials: Union[None, str, "os.PathLike[str]", Dict[str, Any]] = None,
+    project_id: Optional[str] = None,
+    access_token: Union[None, str, Callable[[], str]] = None,
+    endpoint: str = DEFAULT_ENDPOINT,
+    ssl_context: Optional[ssl.SSLContext] = None,
+    timeout: Optional[float] = None,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
+    proxy: Optional[str] = None,
+    max_retries: int = DEFAULT_MAX_RETRIES,
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+    rate_limit: Optional[float] = None,
+) -> Client:
+    """Create a client for the v1 API (``credentials``, ``access_token``, or Application
+    Default Credentials when given nothing) or the legacy API (``server_key``).
+
+    ``timeout`` (seconds) bounds connecting and each read; ``rate_limit`` is the most
+    messages a second the client sends.
+    """
+    if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+        raise TypeError("ssl_context must be an ssl.SSLContext")
+    connect_timeout, read_timeout = _timeouts(timeout)
+    _check_number("pool_size", pool_size, minimum=1, integer=True)
+    _check_number("keep_alive_timeout", keep_alive_timeout, minimum=0)
+    _check_number("max_retries", max_retries, minimum=0, integer=True)
+    _check_number("backoff_factor", backoff_factor, minimum=0)
+    if rate_limit is not None:
+        _check_number("rate_limit", rate_limit, minimum=0, exclusive=True)
+    if _Origin(endpoint, None).scheme != "https":
+        raise ValueError("endpoint must use https://, got %r" % endpoint)
+    connect = _Connector(ssl_context, connect_timeout, read_timeout, keep_alive_timeout, proxy)
+    api = _api(server_key, credentials, project_id, access_token, connect)
+    retry = _Retry(max_retries, backoff_factor, may_refresh=api.refreshable)
+    return Client(api, connect(endpoint, pool_size), retry, rate_limit)
+
+
+build = new
+
+
+def _api(
+    server_key: Optional[str],
+    credentials: object,
+    project_id: Optional[str],
+    access_token: Union[None, str, Callable[[], str]],
+    connect: "_Connector",
+) -> Union[_LegacyAPI, _V1API]:
+    """The API the options select, with its credentials loaded."""
+    if project_id is not None and (not isinstance(project_id, str) or not project_id):
+        raise ValueError("project_id must be a non-empty str")
+    given = [n for n, v in (("server_key", server_key), ("credentials", credentials),
+                            ("access_token", access_token)) if v is not None]
+    if len(given) > 1:
+        raise ValueError("pass only one of server_key, credentials and access_token")
+    if server_key is not None:
+        return _LegacyAPI(_check_server_key(server_key))
+    if access_token is not None:
+        if not isinstance(access_token, str) and not callable(access_token):
+            raise TypeError("access_token must be a str or a callable returning one")
+        if project_id is None:
+            raise ValueError("access_token needs project_id= as well")
+        return _V1API(_StaticToken(access_token, project_id), project_id)
+    if credentials is not None:
+        return _V1API(_load_credentials(credentials, connect), project_id)
+    return _V1API(_application_default_credentials(connect), project_id)
+
+
+def _check_server_key(server_key: object) -> str:
+    if not isinstance(server_key, str):
+        raise TypeError("server_key must be a str, got %s" % type(server_key).__name__)
+    if not server_key.strip():
+        raise ValueError("server_key is empty; pass the server key from the Firebase console")
+    if any(c in server_key for c in "\r\n\0"):
+        raise ValueError("server_key contains a line break or NUL; strip it from the key")
+    return server_key.strip()
+
+
+def _check_number(
+    name: str, value: object, minimum: float, integer: bool = False, exclusive: bool = False
+) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum or (
+        exclusive and value == minimum
+    ):
+        raise ValueError("%s must be %s %s %s, got %r" % (
+            name, "an int" if integer else "a number", ">" if exclusive else ">=", minimum, value,
+        ))
+
+
+def _timeouts(timeout: Optional[float]) -> Tuple[float, float]:
+    if timeout is None:
+        return DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT
+    _check_number("timeout", timeout, minimum=0, exclusive=True)
+    return float(timeout), float(timeout)
