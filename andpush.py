@@ -46,6 +46,7 @@ import math
 import os
 import random
 import re
+import select
 import socket
 import ssl
 import threading
@@ -824,7 +825,7 @@ def _load_credentials(source: object, connect: "_Connector") -> _Credentials:
 def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
     text = str(source)
     what = "credentials"
-    if not text.lstrip().startswith("{"):
+    if text.lstrip()[:1] not in ("{", "["):
         what = "credentials file %r" % text
         try:
             with open(source, encoding="utf-8") as file:
@@ -906,11 +907,10 @@ class _Retry:
         if self.retries <= 0 or not self._retryable(error):
             return None
         wait = self.backoff_factor * 2 ** self.attempt * (0.5 + random.random())
-        retry_after = getattr(error, "retry_after", None)
-        if retry_after is not None:
-            wait = max(wait, retry_after)
-        elif isinstance(error, QuotaExceededError):
-            wait = max(wait, _QUOTA_WAIT)
+        if isinstance(error, QuotaExceededError):
+            wait = max(wait, _quota_wait(error))
+        elif isinstance(error, HTTPError) and error.retry_after is not None:
+            wait = max(wait, error.retry_after)
         if wait > _MAX_RETRY_WAIT:
             return None
         return self._next(retries=self.retries - 1, may_refresh=self.may_refresh), wait
@@ -929,6 +929,11 @@ class _Retry:
         )
 
 
+def _quota_wait(error: QuotaExceededError) -> float:
+    """How long a 429 stops all sending: its Retry-After, else a minute as Google asks."""
+    return error.retry_after if error.retry_after is not None else _QUOTA_WAIT
+
+
 def _is_rejected_token(error: Error) -> bool:
     """A 401 that blames the access token itself, not APNs or web push credentials."""
     return (
@@ -943,7 +948,8 @@ def _is_rejected_token(error: Error) -> bool:
 # Kept-alive connections to one origin: connect, send in one write, read, pool.
 
 class _NoAnswer(Exception):
-    """The connection ended before the first byte of a response arrived."""
+    """The request could not be written, or the connection was closed or reset before
+    the first byte of an answer: what a connection the server had closed looks like."""
 
     def __init__(self, reason: object, *, sent: bool) -> None:
         super().__init__(reason)
@@ -954,13 +960,13 @@ class _StaleConnection(Exception):
     """A reused connection had been closed by the server: the request was not processed."""
 
 
+_CLOSED_BEFORE_ANSWER = (ConnectionResetError, ConnectionAbortedError, ssl.SSLEOFError)
+
+
 class _ProtocolError(Exception):
     """The server's answer broke HTTP/1.1, or exceeded a limit."""
 
 
-_CLOSED_BEFORE_ANSWER = (
-    ConnectionResetError, ConnectionAbortedError, BrokenPipeError, ssl.SSLEOFError,
-)
 
 
 def _split_url(url: str, what: str) -> Tuple[str, str]:
@@ -1029,11 +1035,14 @@ def _proxy_from_environment(host: str) -> Optional[str]:
 class _Connection:
     """One kept-alive HTTP/1.1 connection: a request in one write, a response parsed by hand."""
 
-    __slots__ = ("_sock", "_buffer", "pid", "idle_since", "reused")
+    __slots__ = ("_sock", "_buffer", "_poll", "pid", "idle_since", "reused")
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._buffer = bytearray()
+        self._poll = select.poll() if hasattr(select, "poll") else None  # not on Windows
+        if self._poll is not None:
+            self._poll.register(sock, select.POLLIN)
         self.pid = os.getpid()
         self.idle_since = 0.0
         self.reused = False
@@ -1041,9 +1050,9 @@ class _Connection:
     def exchange(self, request: bytes) -> Tuple[Response, bool]:
         """Send one request and read its response; also say whether the connection stays open.
 
-        Raises _NoAnswer when the request could not be written or the connection ended
-        before any byte of the answer, OSError for other I/O failures, and _ProtocolError
-        for a malformed answer.
+        Raises _NoAnswer when the request could not be written or the connection was
+        closed or reset before any byte of the answer, OSError for other I/O failures,
+        and _ProtocolError for a malformed answer.
         """
         try:
             self._sock.sendall(request)
@@ -1063,6 +1072,8 @@ class _Connection:
         """
         if self._buffer:
             return False
+        if not self._readable():
+            return True
         timeout = self._sock.gettimeout()
         self._sock.setblocking(False)
         try:
@@ -1074,6 +1085,14 @@ class _Connection:
         finally:
             self._sock.settimeout(timeout)
         return False
+
+    def _readable(self) -> bool:
+        """Whether bytes, EOF or an error wait on the socket (TLS-decrypted ones too)."""
+        if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
+            return True
+        if self._poll is None:
+            return bool(select.select([self._sock], [], [], 0)[0])
+        return bool(self._poll.poll(0))
 
     def close(self) -> None:
         self._sock.close()
@@ -1338,9 +1357,10 @@ class _Transport:
     def request(self, method: str, path: str, headers: Dict[str, str], body: bytes) -> Response:
         """Send one request and return its response, whatever the status.
 
-        A reused connection that turns out closed before any byte of the answer is
-        replaced and the request sent once more: the server provably did not process it.
-        Every other failure raises NetworkError, saying whether it may have been delivered.
+        When a reused connection fails before any byte of the answer (broken pipe,
+        reset, EOF) the request is sent once more on a new connection: the server had
+        closed that connection and did not process the request. Every other failure
+        raises NetworkError, saying whether the request may have been delivered.
         """
         data = self._encode(method, path, headers, body)
         try:
@@ -1712,6 +1732,8 @@ class Client:
                 error: Error = _http_error(response)
             except NetworkError as exc:
                 error = exc
+            if isinstance(error, QuotaExceededError):
+                self._pause(_quota_wait(error))
             step = retry.after(error)
             if step is None:
                 raise error
@@ -1719,9 +1741,7 @@ class Client:
             log.info("retrying in %.2f s after: %s", wait, error)
             if _is_rejected_token(error):
                 self._api.invalidate(token)
-            if isinstance(error, QuotaExceededError):
-                self._pause(wait)
-            elif wait:
+            if wait:
                 self._sleep(wait)
 
     def _pace(self) -> None:
@@ -1735,7 +1755,7 @@ class Client:
             self._sleep(start - now)
 
     def _pause(self, seconds: float) -> None:
-        """Hold every send of this client for ``seconds``: the project is over its quota."""
+        """Hold every new send of this client for ``seconds``: the project is over quota."""
         with self._pace_lock:
             self._paused_until = max(self._paused_until, self._clock() + seconds)
 
@@ -1873,6 +1893,8 @@ class _Work:
 
     def next_outcome(self) -> Outcome:
         with self._condition:
+            if self._stopped:
+                raise StopIteration
             while self._yielded not in self._outcomes:
                 if self._stopped:
                     raise StopIteration

@@ -1,0 +1,2609 @@
+"""Tests for andpush: a specification of the library, run against a local TLS fake FCM server.
+
+Run with ``python -m unittest`` from the repository root; nothing needs to be installed
+and nothing touches the internet. Socket-free tests of the pure parts come first, then
+the ones that talk to the fake server, each asserting both what the client saw and what
+the server processed.
+"""
+
+import base64
+import contextlib
+import datetime
+import email.utils
+import hashlib
+import json
+import os
+import pathlib
+import re
+import selectors
+import shutil
+import socket
+import ssl
+import struct
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+import traceback
+import unittest
+import unittest.mock
+import urllib.parse
+from collections import deque
+from http import HTTPStatus
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple, Union
+
+import andpush
+from andpush import _b64url, _der_read, _jwt, _parse_private_key, _rs256_sign, _RSAPrivateKey
+
+# Test certificates ###########################################################
+# A CA and an ECDSA P-256 server certificate for localhost and 127.0.0.1, valid until 2126,
+# made once with openssl in the shape that Python 3.13's strict verification accepts.
+
+TEST_CA_PEM = """\
+-----BEGIN CERTIFICATE-----
+MIIBejCCASCgAwIBAgIUECxSN/Jn84daWE+HjOQHTwhj35QwCgYIKoZIzj0EAwIw
+GjEYMBYGA1UEAwwPYW5kcHVzaCB0ZXN0IENBMCAXDTI2MTEzMDA3NDgzOFoYDzIx
+MjYxMTA2MDc0ODM4WjAaMRgwFgYDVQQDDA9hbmRwdXNoIHRlc3QgQ0EwWTATBgcq
+hkjOPQIBBggqhkjOPQMBBwNCAASiOpWoDk23xbAogj42U1MK/J/mjIdTvW5Slvg8
+bRfdgMWZ5+GrykxuzzKZb/UKR8Jp2OuRWL/rh0ouxXWBz3Igo0IwQDAPBgNVHRMB
+Af8EBTADAQH/MA4GA1UdDwEB/wQEAwIBBjAdBgNVHQ4EFgQUCNO5KrOPJye6crQU
+MoApsL2AXPIwCgYIKoZIzj0EAwIDSAAwRQIgUIVi93n5EOKsSNTylpoeqlut+5G3
+BYh3yX7gfOAburUCIQCBm0JPxeL1UStJ6DrPkFBZ7dw5tlEtIsI77mAzWTzIDQ==
+-----END CERTIFICATE-----
+"""
+
+TEST_SERVER_CERT_PEM = """\
+-----BEGIN CERTIFICATE-----
+MIIBwzCCAWigAwIBAgIUNe8lInuJ3c2Lbb/UmHUE2VLZClEwCgYIKoZIzj0EAwIw
+GjEYMBYGA1UEAwwPYW5kcHVzaCB0ZXN0IENBMCAXDTI2MTEzMDA3NDgzOFoYDzIx
+MjYxMTA2MDc0ODM4WjAUMRIwEAYDVQQDDAlsb2NhbGhvc3QwWTATBgcqhkjOPQIB
+BggqhkjOPQMBBwNCAARHKgTNXUy+ZTldwBc/NXa2KzwaJA4C9JsPtBc5edVaQ4Wd
+Aobb3R3QIMYOfjxAjvB5rfNUfqNvND8WryDQFb/Ro4GPMIGMMBoGA1UdEQQTMBGC
+CWxvY2FsaG9zdIcEfwAAATAJBgNVHRMEAjAAMA4GA1UdDwEB/wQEAwIHgDATBgNV
+HSUEDDAKBggrBgEFBQcDATAdBgNVHQ4EFgQUoS3tCWRZwRfuITh4KoCAcfiGIwcw
+HwYDVR0jBBgwFoAUCNO5KrOPJye6crQUMoApsL2AXPIwCgYIKoZIzj0EAwIDSQAw
+RgIhAI8nV4uzMEwvA5EJ6YQG4eeezyAdc3FWe/3P5srdOH5YAiEA0QoBSGX8eDj6
+uwgSKMn9eAgl4zcxcHUMKsdk5bDn7XM=
+-----END CERTIFICATE-----
+"""
+
+TEST_SERVER_KEY_PEM = """\
+-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQghAgfi24rsImIhRrL
+DvF+Yt+BfOWQP7ZbWpxNL9RbIEyhRANCAARHKgTNXUy+ZTldwBc/NXa2KzwaJA4C
+9JsPtBc5edVaQ4WdAobb3R3QIMYOfjxAjvB5rfNUfqNvND8WryDQFb/R
+-----END PRIVATE KEY-----
+"""
+
+
+# Test RSA keys ##############################################################################
+# One 2048-bit RSA key made once with
+#   openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048        (PKCS#8)
+#   openssl rsa -in key.pem -traditional                                (PKCS#1)
+# plus a P-256 and an Ed25519 key (openssl genpkey) to check non-RSA keys are refused, and
+# another RSA key whose signatures the fake token endpoint must refuse.
+
+TEST_RSA_KEY_PKCS8_PEM = """\
+-----BEGIN PRIVATE KEY-----
+MIIEvgIBADANBgkqhkiG9w0BAQEFAASCBKgwggSkAgEAAoIBAQCsHEXE7aan+oFs
+g2p9KXwch3ffTRVmYjexRRmezdTeUvmFeit5OeL3oHzdtBUquFYFguPbVRnNuGyy
++rG0N2Wv9ni1ScrosUlodxvcSD3I6wXhEM4nAK3sxy8pXhVQ2o7fWvrnqrgAFT0l
+2cKPO8ohgmT5f14SyEiutupvyX7+OrXq9lu25q8MGwit6QX1cN4WzOBDXARDjrbz
+quuZ6LZkBPxqgz4R+p4M3wn1H3G8AEo/Poa7+T4UjPrsnfl46ILQsR1pbI9u/fYP
+NOQ4bHXo7zXb5jfvFMOL/5ecT3gMcvBUX3Fc2T9kK4Ft3Erd/UjiAG6DzR2HTGFf
+6I0dUCFXAgMBAAECggEAJd7YuULDo32bAdoO0fiRXyOtzDxFY7Bj6cU3JHrNBpiC
+YAzoSPXkS7GMGCp6Z9qEzxSkd4wLr/kPLfi8pld0MBpPKDDTDY2JBgwDXN6mfbG9
+Ku9MNUfQfWO8rGEP1qkou9vkjppBf38s48m9JlA1I1dySXXtqLtaRttnzW4sW9sJ
+G/e+IHfkgt2HbrN1uQ5DEfhG97Y8c2SXeMTm0cgib9q7+s8sFO0y9XwYD+u38azj
+8m0Y17uv1NmHERsU5U4RhvKTHlldTVzWeKhoBshwxrS/QJPLuM0yQpSuIhZNstDu
+dcCCIMU+m3418ip1qXegAzND8Wdo050hvkAzyTbTmQKBgQDwEUxhWXgSDuQVALEd
+3kthIgpjUyr4e+A9yrzEmkXWjkn5uvUZ/eUau50OrHt8PnCUql144PUbMzcml1FF
+QL6f04czWCynh4BLcXiKPs/oy7gHS493onhvdel1y4tr+cUrwqcWs8RffLX3gmqs
+GlFF7yVLnnPgaUiFCoN9Fac1fwKBgQC3iGVIchPxU6IVO9E6OyGLeTkFyuGOaNaI
+wge24R7YV/EtI93wvIhWk+0kOsnc6fzbwLEHYP5o8JiW1g5QEhXLN9DyTAmQEdiL
+Y7tKuy0ylSasPKcX/GyOLSpv6bNIoi3I/sY619E41MKV8LoUgBC2hLJfv5wAdyRr
+2xS7XF9wKQKBgQDDKlz8+35ot+BmzrQvAwwnAESPsQpLDnIj6hECiCTko7KyKnKe
+WdGKpSGuzzxoql5eDg6FeeTp4v4gCn5Qna0bRB0y+aj73WXIb4w+X4goyo1mqOAO
+s2/TtXlBgWNsOZc41zt9clHgCwPoHwdXuOF/yEZ6rmun8g+50O1KoHLaQwKBgQCY
+LRvtyckHXFUUThjZs5XI06aYSvRi5EKd+mPzGw48TA7JYufvaCOTxevnEme2KL1k
+aI1glOfdk0CyMKKFeblgWtOBU9LKBkIKsZLmD/UV7921CkVx+fb4nDKHwLrLCs3z
+zmwG9lOgT6lYMdXYkadJ7xUHlxR+vksQswKpp5nqoQKBgFijuPY2KnWN1mQiU1ij
+2425bVeh7Gf0hoxbGotR3tG1jRwCc0fS1zIE58D92mAKPGdLqomSi2B3kHbeh/AB
+p+gGH5yZpT1d9JO6VR0AAdrzDZNuha9XRddzoaZUmyFOzWb0yBJhyJ3syAgMmtAa
+x0ME3GkblJcADtnPFoqgnMWC
+-----END PRIVATE KEY-----
+"""
+
+TEST_RSA_KEY_PKCS1_PEM = """\
+-----BEGIN RSA PRIVATE KEY-----
+MIIEpAIBAAKCAQEArBxFxO2mp/qBbINqfSl8HId3300VZmI3sUUZns3U3lL5hXor
+eTni96B83bQVKrhWBYLj21UZzbhssvqxtDdlr/Z4tUnK6LFJaHcb3Eg9yOsF4RDO
+JwCt7McvKV4VUNqO31r656q4ABU9JdnCjzvKIYJk+X9eEshIrrbqb8l+/jq16vZb
+tuavDBsIrekF9XDeFszgQ1wEQ46286rrmei2ZAT8aoM+EfqeDN8J9R9xvABKPz6G
+u/k+FIz67J35eOiC0LEdaWyPbv32DzTkOGx16O812+Y37xTDi/+XnE94DHLwVF9x
+XNk/ZCuBbdxK3f1I4gBug80dh0xhX+iNHVAhVwIDAQABAoIBACXe2LlCw6N9mwHa
+DtH4kV8jrcw8RWOwY+nFNyR6zQaYgmAM6Ej15EuxjBgqemfahM8UpHeMC6/5Dy34
+vKZXdDAaTygw0w2NiQYMA1zepn2xvSrvTDVH0H1jvKxhD9apKLvb5I6aQX9/LOPJ
+vSZQNSNXckl17ai7WkbbZ81uLFvbCRv3viB35ILdh26zdbkOQxH4Rve2PHNkl3jE
+5tHIIm/au/rPLBTtMvV8GA/rt/Gs4/JtGNe7r9TZhxEbFOVOEYbykx5ZXU1c1nio
+aAbIcMa0v0CTy7jNMkKUriIWTbLQ7nXAgiDFPpt+NfIqdal3oAMzQ/FnaNOdIb5A
+M8k205kCgYEA8BFMYVl4Eg7kFQCxHd5LYSIKY1Mq+HvgPcq8xJpF1o5J+br1Gf3l
+GrudDqx7fD5wlKpdeOD1GzM3JpdRRUC+n9OHM1gsp4eAS3F4ij7P6Mu4B0uPd6J4
+b3XpdcuLa/nFK8KnFrPEX3y194JqrBpRRe8lS55z4GlIhQqDfRWnNX8CgYEAt4hl
+SHIT8VOiFTvROjshi3k5BcrhjmjWiMIHtuEe2FfxLSPd8LyIVpPtJDrJ3On828Cx
+B2D+aPCYltYOUBIVyzfQ8kwJkBHYi2O7SrstMpUmrDynF/xsji0qb+mzSKItyP7G
+OtfRONTClfC6FIAQtoSyX7+cAHcka9sUu1xfcCkCgYEAwypc/Pt+aLfgZs60LwMM
+JwBEj7EKSw5yI+oRAogk5KOysipynlnRiqUhrs88aKpeXg4OhXnk6eL+IAp+UJ2t
+G0QdMvmo+91lyG+MPl+IKMqNZqjgDrNv07V5QYFjbDmXONc7fXJR4AsD6B8HV7jh
+f8hGeq5rp/IPudDtSqBy2kMCgYEAmC0b7cnJB1xVFE4Y2bOVyNOmmEr0YuRCnfpj
+8xsOPEwOyWLn72gjk8Xr5xJntii9ZGiNYJTn3ZNAsjCihXm5YFrTgVPSygZCCrGS
+5g/1Fe/dtQpFcfn2+Jwyh8C6ywrN885sBvZToE+pWDHV2JGnSe8VB5cUfr5LELMC
+qaeZ6qECgYBYo7j2Nip1jdZkIlNYo9uNuW1Xoexn9IaMWxqLUd7RtY0cAnNH0tcy
+BOfA/dpgCjxnS6qJkotgd5B23ofwAafoBh+cmaU9XfSTulUdAAHa8w2TboWvV0XX
+c6GmVJshTs1m9MgSYcid7MgIDJrQGsdDBNxpG5SXAA7ZzxaKoJzFgg==
+-----END RSA PRIVATE KEY-----
+"""
+
+TEST_EC_KEY_PKCS8_PEM = """\
+-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgazGx9Bp7NaKnDyRw
+6dFH2E5+sLjvlZXyHw4y+PgylnShRANCAATISJGbTgZGlgdJqMTvXsI33KuUm67X
+lC7pTYt5pLkIZd19dKaPc78eTTCSnp6369NNIdT8wwDpbVGWnBwZ6bqz
+-----END PRIVATE KEY-----
+"""
+
+TEST_ED25519_KEY_PKCS8_PEM = """\
+-----BEGIN PRIVATE KEY-----
+MC4CAQAwBQYDK2VwBCIEIAXOCo/SH1cecbWjgZ020dCO0jMQpV38jXN2NpgdCgAR
+-----END PRIVATE KEY-----
+"""
+
+TEST_OTHER_RSA_KEY_PEM = """\
+-----BEGIN PRIVATE KEY-----
+MIICdgIBADANBgkqhkiG9w0BAQEFAASCAmAwggJcAgEAAoGBALpQqUkp8yFJJfdf
+9zG4+/TvKwE+IABIBE2Y6wEZ+PaXjRktixZN6neamtYAdYdO0WE/54DRkMXCL4Wu
+uPmBALJGYHRgfpaz+DR0/dquoWZAiGfRxyCgYjDL8Om2EpHQcWi+8LDSkyfuwWtI
+8YZumMn+LFH99zuQFXKWoS3BsNTpAgMBAAECgYBPzZLlArHgFPvNHG69/nT1Magi
+7SA53p7xOcmW/C/2N225VheYIyGFv1QIy8OLhEgMtpmLRLgU7Jr8UJ1sSUQpXGnM
+ZTZRcw0NaZe8BVg8BSngu4GFDQkY93MQoYqLQrrry6rbWrxTDkqPQLr5DfYydP7y
+fRx+OR1VE4Q7Qf85HQJBAOyKdhSVEVEIdIcnXPOpS/pfxJVWNvmK6VWRIMwtKAUN
+eJDkjyDaKB8uh3FAfQ8Mcu05YUPktwAKciJtMCEOZtsCQQDJpHKVBxcdzeuf+zqb
+v/6lkf+06RG4AL8eDvJgJBhQ+XzmrfYIXO/92c8oBnQ4ehse1auy9YhCfin8jvr4
+t7SLAkEAigAh8dIiPy96pJtPfIyp2hHjY+jfu+jSRuybwOMbdQ8t5wKhil4ciEyi
+Em24SH5P0pzmZTDbnzd47SLcsHxxfwJALdDyxA/fXcNLNYeU8oy2ZJJ+4nFOuFtb
+EY5d3iB1cfiuO4/tZksPsMNLwZFt2ONNxDzSjZAijNEz4xHtzpOXLwJAM+zdSPVI
+Gt3vDwx9fui9DmVotED/LahlLc3uYUq1vLZtQNrJW8xAJ3ug/TNS16coIv7bpy9i
+e6/RmZX70R6tMg==
+-----END PRIVATE KEY-----
+"""
+
+
+# Fake FCM server ##############################################################################
+# A real HTTP/1.1 server over TLS on 127.0.0.1 that plays Firebase Cloud Messaging, so that the
+# tests run andpush's own sockets, TLS and HTTP parsing:
+#
+#     with FakeFCM() as server:
+#         server.inject(Reply(503, json={}, headers={"Retry-After": "1"}), RESET_AFTER_READ)
+#         ...  # a client on server.endpoint, its TLS context from client_context()
+#         self.assertEqual(server.processed, 2)
+#         self.assertEqual(server.errors, [])
+#
+# Unscripted, it answers like FCM: FakeFCM.routes maps (method, path prefix) to a handler.
+# Injected actions (a Reply or a misbehaviour below) are taken one per request, in arrival
+# order across all connections, when a request's first bytes arrive; a connection that closes
+# while idle takes none. The connection-level knobs close_idle_after, close_every and
+# reply_delay are read as each connection reaches them: set them before the traffic.
+
+# Misbehaviours for FakeFCM.inject(), each for one request. All but RESET_BEFORE_READ record
+# the request in FakeFCM.requests before misbehaving.
+#: Once the request's first bytes arrive, reset the connection (TCP RST) without reading it.
+RESET_BEFORE_READ = "RESET_BEFORE_READ"
+#: Read the whole request, then reset the connection (TCP RST) without answering.
+RESET_AFTER_READ = "RESET_AFTER_READ"
+#: Wait FakeFCM.slow_seconds, then answer normally.
+SLOW = "SLOW"
+#: Answer normally with "Connection: close", then close (TLS close_notify, then FIN).
+CONNECTION_CLOSE = "CONNECTION_CLOSE"
+#: Answer normally but chunked, with a chunk extension and a trailer.
+CHUNKED = "CHUNKED"
+#: Send the status line "HTTP/1.1 OK-ish" and nothing else, then close.
+MALFORMED_STATUS = "MALFORMED_STATUS"
+#: Answer normally but send only half the body that Content-Length promises, then close.
+TRUNCATED_BODY = "TRUNCATED_BODY"
+#: 200 with the text/html body <html>oops</html>.
+NON_JSON = "NON_JSON"
+#: 200 with a body of HUGE_BODY_SIZE bytes (valid JSON), streamed.
+HUGE_BODY = "HUGE_BODY"
+MISBEHAVIOURS = (
+    RESET_BEFORE_READ,
+    RESET_AFTER_READ,
+    SLOW,
+    CONNECTION_CLOSE,
+    CHUNKED,
+    MALFORMED_STATUS,
+    TRUNCATED_BODY,
+    NON_JSON,
+    HUGE_BODY,
+)
+#: Bytes in the body of a HUGE_BODY answer (5 MiB).
+HUGE_BODY_SIZE = 5 * 1024 * 1024
+#: Content-Type of JSON answers, with the charset parameter as Google's front ends send it.
+JSON_CONTENT_TYPE = "application/json; charset=UTF-8"
+
+_MAX_HEAD = 64 * 1024  # bytes of request line plus headers accepted
+_RECV_SIZE = 64 * 1024  # bytes asked of one recv()
+_MAX_CHUNK_LINE = 1024  # bytes of a chunk-size line of a chunked request body
+_STREAM_PIECE = 64 * 1024  # bytes per sendall() of a HUGE_BODY body
+_JOIN_TIMEOUT = 5.0  # seconds close() waits for all the server's threads together
+_MESSAGE_ID_SUFFIX = "31bd1c9631bd1c96"  # legacy message ids look like "0:<number>%<hex>"
+_MULTICAST_ID_BASE = 6000000000000000000  # legacy multicast ids are large positive ints
+_V1_SEND_PATH = re.compile(r"/v1/projects/([^/]+)/messages:send\Z")
+
+
+def client_context() -> ssl.SSLContext:
+    """A client context that verifies the fake server against the test CA (and only it)."""
+    return ssl.create_default_context(cadata=TEST_CA_PEM)
+
+
+def server_context() -> ssl.SSLContext:
+    """A fresh server context with the test certificate; TLS 1.3 and its session tickets on."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    # load_cert_chain() reads only files, on every Python this suite supports.
+    with tempfile.TemporaryDirectory() as directory:
+        cert_file = os.path.join(directory, "cert.pem")
+        key_file = os.path.join(directory, "key.pem")
+        for path, text in ((cert_file, TEST_SERVER_CERT_PEM), (key_file, TEST_SERVER_KEY_PEM)):
+            with open(path, "w") as file:
+                file.write(text)
+        context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+class Request:
+    """One request as the fake server received it."""
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        headers: Dict[str, str],
+        body: bytes,
+        version: str = "HTTP/1.1",
+        connection: int = 0,
+    ) -> None:
+        self.method = method
+        self.path = path  # the request target as sent, query string included
+        self.headers = headers  # lower-case names; repeated headers joined with ", "
+        self.body = body
+        self.version = version
+        self.connection = connection  # which TCP connection (1, 2, ...) it arrived on
+
+    @property
+    def json(self) -> Any:
+        """The body parsed as JSON (ValueError if it is not JSON)."""
+        return json.loads(self.body.decode("utf-8"))
+
+    @property
+    def keep_alive(self) -> bool:
+        """Whether the client let the connection stay open after the answer."""
+        tokens = [t.strip().lower() for t in self.headers.get("connection", "").split(",")]
+        if self.version == "HTTP/1.0":
+            return "keep-alive" in tokens
+        return "close" not in tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.method!r}, {self.path!r}, connection={self.connection}, "
+            f"{len(self.body)} body bytes)"
+        )
+
+
+class Reply:
+    """A scripted answer: json= is sent serialised as application/json, body= as raw bytes."""
+
+    def __init__(
+        self,
+        status: int = 200,
+        json: Any = None,
+        body: Optional[bytes] = None,
+        headers: Optional[Dict[str, str]] = None,
+    ) -> None:
+        if json is not None and body is not None:
+            raise ValueError("Reply takes json= or body=, not both")
+        self.status = status
+        self.json = json
+        self.headers = dict(headers or {})  # sent as given, except framing (see _render_head)
+        if json is not None:
+            self.body = _json_bytes(json)
+            if not any(name.lower() == "content-type" for name in self.headers):
+                self.headers["Content-Type"] = JSON_CONTENT_TYPE
+        else:
+            self.body = body or b""
+
+    @property
+    def closes(self) -> bool:
+        """Whether the scripted headers ask for the connection to be closed after it."""
+        return any(
+            name.lower() == "connection" and value.strip().lower() == "close"
+            for name, value in self.headers.items()
+        )
+
+    def __repr__(self) -> str:
+        return f"Reply({self.status}, {self.body[:80]!r})"
+
+
+Action = Union[Reply, str]
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value).encode("utf-8")
+
+
+def _text_reply(status: int, text: str) -> Reply:
+    headers = {"Content-Type": "text/plain; charset=UTF-8"}
+    return Reply(status, body=text.encode("utf-8"), headers=headers)
+
+
+def _google_error(status: int, state: str, message: str) -> Reply:
+    return Reply(status, json={"error": {"code": status, "message": message, "status": state}})
+
+
+def _reason(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
+
+
+def _render_head(status: int, headers: Dict[str, str], framing: List[str]) -> bytes:
+    """Status line and headers; the framing lines (length, chunking, close) are the server's."""
+    lines = [f"HTTP/1.1 {status} {_reason(status)}"]
+    for name, value in headers.items():
+        if name.lower() not in ("content-length", "transfer-encoding", "connection"):
+            lines.append(f"{name}: {value}")
+    lines.extend(framing)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _render(reply: Reply, close: bool = False, mode: str = "") -> bytes:
+    """The whole answer as bytes, framed normally, or as CHUNKED or TRUNCATED_BODY says."""
+    framing = ["Connection: close"] if close else []
+    body = reply.body
+    if reply.status in (204, 304) or reply.status < 200:
+        return _render_head(reply.status, reply.headers, framing)
+    if mode == CHUNKED:
+        framing[:0] = ["Transfer-Encoding: chunked", "Trailer: X-Fake-Trailer"]
+        return _render_head(reply.status, reply.headers, framing) + _chunked(body)
+    if mode == TRUNCATED_BODY:
+        promised = max(len(body), 2)
+        framing.insert(0, f"Content-Length: {promised}")
+        return _render_head(reply.status, reply.headers, framing) + body[: promised // 2]
+    framing.insert(0, f"Content-Length: {len(body)}")
+    return _render_head(reply.status, reply.headers, framing) + body
+
+
+def _chunked(body: bytes) -> bytes:
+    """body in four chunks (upper-case hex sizes, an extension on the first), then a trailer."""
+    step = max(1, -(-len(body) // 4))
+    out = []
+    for index, start in enumerate(range(0, len(body), step)):
+        piece = body[start : start + step]
+        extension = b';fakefcm="nasty; but legal"' if index == 0 else b""
+        out.append(b"%X%s\r\n%s\r\n" % (len(piece), extension, piece))
+    out.append(b"0\r\nX-Fake-Trailer: yes\r\n\r\n")
+    return b"".join(out)
+
+
+def _huge_json_body() -> bytes:
+    head, tail = b'{"padding": "', b'"}'
+    return head + b"x" * (HUGE_BODY_SIZE - len(head) - len(tail)) + tail
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with SO_LINGER 0 s: the kernel sends RST instead of FIN."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    conn.close()
+
+
+def _close_with_notify(conn: ssl.SSLSocket) -> None:
+    """Send TLS close_notify, without waiting for the peer's, then close (FIN)."""
+    try:
+        conn.settimeout(0.0)  # unwrap() writes close_notify and, non-blocking, returns at once
+        conn.unwrap()
+    except (OSError, ValueError, AttributeError):  # AttributeError: a plain socket
+        pass
+    conn.close()
+
+
+class _ClientGone(Exception):
+    """The client closed the connection in the middle of a request."""
+
+
+class _BadRequest(Exception):
+    """The bytes received are not an HTTP/1.x request."""
+
+
+class _Reader:
+    """Buffered reading of HTTP/1.x requests from one connection."""
+
+    def __init__(self, sock: ssl.SSLSocket) -> None:
+        self.sock = sock
+        self.buffer = bytearray()
+
+    def wait_for_data(self) -> bool:
+        """Block until some request bytes are buffered; False if the client closed instead."""
+        if self.buffer:
+            return True
+        data = self.sock.recv(_RECV_SIZE)
+        self.buffer += data
+        return bool(data)
+
+    def _fill(self) -> None:
+        data = self.sock.recv(_RECV_SIZE)
+        if not data:
+            raise _ClientGone()
+        self.buffer += data
+
+    def read_until(self, separator: bytes, limit: int) -> bytes:
+        start = 0
+        while True:
+            index = self.buffer.find(separator, start)
+            if index >= 0:
+                found = bytes(self.buffer[:index])
+                del self.buffer[: index + len(separator)]
+                return found
+            if len(self.buffer) > limit:
+                raise _BadRequest("line or header section too long")
+            start = max(0, len(self.buffer) - len(separator) + 1)
+            self._fill()
+
+    def read_exact(self, size: int) -> bytes:
+        while len(self.buffer) < size:
+            self._fill()
+        data = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return data
+
+    def read_request(self, connection: int) -> Request:
+        lines = self.read_until(b"\r\n\r\n", _MAX_HEAD).decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            raise _BadRequest(f"bad request line {lines[0]!r}")
+        method, target, version = parts
+        headers: Dict[str, str] = {}
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if not colon or not name or name != name.strip():
+                raise _BadRequest(f"bad header line {line!r}")
+            name, value = name.lower(), value.strip()
+            headers[name] = headers[name] + ", " + value if name in headers else value
+        if headers.get("expect", "").lower() == "100-continue" and not self.buffer:
+            self.sock.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            body = self._read_chunked_body()
+        elif "content-length" in headers:
+            length = headers["content-length"]
+            if not length.isdigit():
+                raise _BadRequest(f"bad Content-Length {length!r}")
+            body = self.read_exact(int(length))
+        else:
+            body = b""
+        return Request(method, target, headers, body, version, connection)
+
+    def _read_chunked_body(self) -> bytes:
+        pieces = []
+        while True:
+            size_line = self.read_until(b"\r\n", _MAX_CHUNK_LINE).split(b";")[0].strip()
+            try:
+                size = int(size_line.decode("ascii"), 16)
+            except ValueError:
+                raise _BadRequest(f"bad chunk size {size_line!r}") from None
+            if size == 0:
+                break
+            pieces.append(self.read_exact(size))
+            if self.read_exact(2) != b"\r\n":
+                raise _BadRequest("chunk not followed by CRLF")
+        while self.read_until(b"\r\n", _MAX_HEAD):  # trailer fields, ignored
+            pass
+        return b"".join(pieces)
+
+
+class FakeFCM:
+    """A local FCM over HTTPS. Use: with FakeFCM() as server: ... server.endpoint ...
+
+    All counters and lists may be read by tests at any time.
+    """
+
+    def __init__(self, tls: bool = True) -> None:
+        # What tests set.
+        self.tls = tls  # False: plain HTTP, as the GCE metadata server speaks
+        self.slow_seconds = 1.0  # how long SLOW holds its answer
+        self.close_idle_after: Optional[float] = None
+        self.close_every: Optional[int] = None
+        self.reply_delay = 0.0  # seconds before every answer
+        self.unregistered_tokens: Set[str] = set()
+        self.canonical_tokens: Dict[str, str] = {}
+        # Actions for the requests of one device token (legacy "to", v1 message.token), taken
+        # in turn once such a request has been read; injected actions come first.
+        self.by_token: Dict[str, List[Action]] = {}
+        # Default answers by (method, path prefix); the longest matching prefix wins.
+        self.routes: Dict[Tuple[str, str], Callable[[Request], Reply]] = {
+            ("POST", "/fcm/send"): self.handle_legacy_send,
+            ("POST", "/v1/projects/"): self.handle_v1_send,
+        }
+        self.ssl_context = server_context()
+        # What tests read.
+        self.connections = 0  # TCP connections accepted
+        self.handshakes = 0  # TLS handshakes completed
+        self.requests: List[Request] = []  # processed requests, in processing order
+        self.errors: List[str] = []  # tracebacks of bugs in the server: should stay empty
+        # Internals.
+        self._lock = threading.Lock()
+        self._actions: Deque[Action] = deque()
+        self._message_numbers = 0
+        self._multicast_numbers = 0
+        self._stopping = threading.Event()
+        self._listener: Optional[socket.socket] = None
+        self._port = 0
+        self._wake_pair: Optional[Tuple[socket.socket, socket.socket]] = None
+        self._accept_thread: Optional[threading.Thread] = None
+        self._live: Set[ssl.SSLSocket] = set()
+        self._threads: Set[threading.Thread] = set()
+
+    # Life cycle ---------------------------------------------------------------------------------
+
+    def start(self) -> "FakeFCM":
+        if self._listener is not None:
+            raise RuntimeError("FakeFCM already started")
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._port = listener.getsockname()[1]
+        self._wake_pair = socket.socketpair()
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="fakefcm-accept", daemon=True
+        )
+        self._accept_thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop accepting, cut every connection, wait (a little) for the threads to end."""
+        if self._listener is None or self._stopping.is_set():
+            return
+        self._stopping.set()
+        assert self._wake_pair is not None and self._accept_thread is not None
+        try:
+            self._wake_pair[1].send(b"x")
+        except OSError:
+            pass
+        deadline = time.monotonic() + _JOIN_TIMEOUT
+        self._accept_thread.join(_JOIN_TIMEOUT)
+        self._listener.close()
+        with self._lock:
+            for conn in self._live:
+                try:
+                    # The plain socket's shutdown: it wakes a thread blocked in this socket
+                    # without touching the TLS state that thread is using.
+                    socket.socket.shutdown(conn, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for sock in self._wake_pair:
+            sock.close()
+
+    def __enter__(self) -> "FakeFCM":  # noqa: PYI034 (typing.Self needs Python 3.11)
+        if self._listener is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def port(self) -> int:
+        if self._listener is None:
+            raise RuntimeError("FakeFCM not started")
+        return self._port
+
+    @property
+    def endpoint(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    # Scripting ----------------------------------------------------------------------------------
+
+    def inject(self, *actions: Action) -> None:
+        """Queue answers for the next requests, across all connections, in arrival order."""
+        for action in actions:
+            if not isinstance(action, Reply) and action not in MISBEHAVIOURS:
+                raise ValueError(f"not a Reply nor a misbehaviour: {action!r}")
+        with self._lock:
+            self._actions.extend(actions)
+
+    @property
+    def pending(self) -> int:
+        """How many injected actions are still waiting for a request."""
+        with self._lock:
+            return len(self._actions)
+
+    @property
+    def processed(self) -> int:
+        """How many requests the server has read whole (len(self.requests))."""
+        return len(self.requests)
+
+    # Default answers ------------------------------------------------------------------------------
+
+    def dispatch(self, request: Request) -> Reply:
+        """The answer from self.routes; a bug in a handler becomes a 500 and lands in errors."""
+        path = request.path.partition("?")[0]
+        matches = [
+            (len(prefix), handler)
+            for (method, prefix), handler in list(self.routes.items())
+            if method == request.method and path.startswith(prefix)
+        ]
+        if not matches:
+            return self.not_found(request)
+        handler = max(matches, key=lambda match: match[0])[1]
+        try:
+            return handler(request)
+        except Exception:  # noqa: BLE001 (a bug in a handler: answer 500, keep it in errors)
+            self._record_error()
+            return _text_reply(500, "fake FCM handler failed:\n" + traceback.format_exc())
+
+    def not_found(self, request: Request) -> Reply:
+        return _google_error(404, "NOT_FOUND", "not found")
+
+    def handle_legacy_send(self, request: Request) -> Reply:
+        """POST /fcm/send, the legacy HTTP API: server key, "to" or "registration_ids"."""
+        authorization = request.headers.get("authorization", "")
+        if not authorization.startswith("key=") or not authorization[4:].strip():
+            return _text_reply(401, "Unauthorized: expected the header Authorization: key=...\n")
+        try:
+            payload = request.json
+        except ValueError:
+            return _text_reply(400, "JSON_PARSING_ERROR: the body is not JSON\n")
+        tokens: List[str] = []
+        if isinstance(payload, dict) and isinstance(payload.get("to"), str):
+            tokens = [payload["to"]]
+        elif isinstance(payload, dict) and isinstance(payload.get("registration_ids"), list):
+            tokens = payload["registration_ids"]
+        if not tokens or not all(isinstance(token, str) for token in tokens):
+            return _text_reply(400, 'Missing "to" or "registration_ids" field\n')
+        dry_run = payload.get("dry_run") is True
+        results: List[Dict[str, Any]] = []
+        for token in tokens:
+            if token in self.unregistered_tokens:
+                results.append({"error": "NotRegistered"})
+                continue
+            if dry_run:
+                result = {"message_id": "fake_message_id"}
+            else:
+                result = {"message_id": f"0:{self._next_message_number()}%{_MESSAGE_ID_SUFFIX}"}
+            if token in self.canonical_tokens:
+                result["registration_id"] = self.canonical_tokens[token]
+            results.append(result)
+        failure = sum(1 for result in results if "error" in result)
+        return Reply(
+            200,
+            json={
+                "multicast_id": -1 if dry_run else self._next_multicast_id(),
+                "success": len(results) - failure,
+                "failure": failure,
+                "canonical_ids": sum(1 for result in results if "registration_id" in result),
+                "results": results,
+            },
+        )
+
+    def handle_v1_send(self, request: Request) -> Reply:
+        """POST /v1/projects/<project>/messages:send, the HTTP v1 API."""
+        match = _V1_SEND_PATH.match(request.path.partition("?")[0])
+        if match is None:
+            return self.not_found(request)
+        # (Checks of the v1 Authorization header belong here.)
+        try:
+            payload = request.json
+        except ValueError:
+            return _google_error(400, "INVALID_ARGUMENT", "Invalid JSON payload received.")
+        if not isinstance(payload, dict) or not isinstance(payload.get("message"), dict):
+            return _google_error(400, "INVALID_ARGUMENT", 'The body needs a "message" object.')
+        if payload.get("validate_only") is True:
+            message_id = "fake_message_id"
+        else:
+            message_id = f"0:{self._next_message_number()}"
+        return Reply(200, json={"name": f"projects/{match.group(1)}/messages/{message_id}"})
+
+    # Serving ------------------------------------------------------------------------------------
+
+    def _next_message_number(self) -> int:
+        with self._lock:
+            self._message_numbers += 1
+            return self._message_numbers
+
+    def _next_multicast_id(self) -> int:
+        with self._lock:
+            self._multicast_numbers += 1
+            return _MULTICAST_ID_BASE + self._multicast_numbers
+
+    def _next_action(self) -> Optional[Action]:
+        with self._lock:
+            return self._actions.popleft() if self._actions else None
+
+    def _action_for_token(self, request: Request) -> Optional[Action]:
+        """The next of self.by_token's actions for the request's device token, if any."""
+        try:
+            payload = request.json
+            token = payload.get("to") or payload.get("message", {}).get("token")
+        except (ValueError, AttributeError):
+            return None
+        actions = self.by_token.get(token) if isinstance(token, str) else None
+        return actions.pop(0) if actions else None
+
+    def _record_error(self) -> None:
+        with self._lock:
+            self.errors.append(traceback.format_exc())
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None and self._wake_pair is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ)
+        selector.register(self._wake_pair[0], selectors.EVENT_READ)
+        try:
+            while not self._stopping.is_set():
+                selector.select()
+                if self._stopping.is_set():
+                    break
+                try:
+                    raw, _ = self._listener.accept()
+                except OSError:  # nothing after all, or the client already gave up
+                    continue
+                raw.setblocking(True)
+                with self._lock:
+                    if self._stopping.is_set():
+                        raw.close()
+                        break
+                    self.connections += 1
+                    thread = threading.Thread(
+                        target=self._serve_connection,
+                        args=(raw, self.connections),
+                        name=f"fakefcm-connection-{self.connections}",
+                        daemon=True,
+                    )
+                    self._threads.add(thread)
+                    thread.start()
+        except Exception:  # noqa: BLE001 (a bug here: keep it in errors, not on stderr)
+            self._record_error()
+        finally:
+            selector.close()
+
+    def _serve_connection(self, raw: socket.socket, number: int) -> None:
+        conn: Optional[ssl.SSLSocket] = None
+        try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = raw
+            if self.tls:
+                conn = self.ssl_context.wrap_socket(
+                    raw, server_side=True, do_handshake_on_connect=False
+                )
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                self._live.add(conn)
+            if self.tls:
+                conn.do_handshake()
+                with self._lock:
+                    self.handshakes += 1
+            self._converse(conn, number)
+        except (OSError, _ClientGone):
+            pass  # the client hung up, failed the handshake, or close() cut the connection
+        except Exception:  # noqa: BLE001 (a bug here: keep it in errors, not on stderr)
+            self._record_error()
+        finally:
+            with self._lock:
+                if conn is not None:
+                    self._live.discard(conn)
+                self._threads.discard(threading.current_thread())
+            if conn is not None:
+                conn.close()
+            raw.close()  # a no-op once wrapped
+
+    def _converse(self, conn: ssl.SSLSocket, number: int) -> None:
+        """Serve the requests of one connection until one side closes it."""
+        reader = _Reader(conn)
+        answers = 0
+        while True:
+            conn.settimeout(self.close_idle_after)
+            try:
+                if not reader.wait_for_data():
+                    return  # the client closed the connection between requests
+            except socket.timeout:
+                _close_with_notify(conn)  # idle for close_idle_after seconds
+                return
+            conn.settimeout(None)
+            action = self._next_action()
+            if action == RESET_BEFORE_READ:
+                _reset(conn)
+                return
+            try:
+                request = reader.read_request(number)
+            except _BadRequest as error:
+                reply = _text_reply(400, f"fake FCM: {error}\n")
+                conn.sendall(_render(reply, close=True))
+                _close_with_notify(conn)
+                return
+            with self._lock:
+                self.requests.append(request)
+                if action is None:
+                    action = self._action_for_token(request)
+            if not self._answer(conn, request, action):
+                return
+            answers += 1
+            if self.close_every and answers % self.close_every == 0:
+                conn.close()  # abrupt: no close_notify, no "Connection: close"
+                return
+
+    def _answer(self, conn: ssl.SSLSocket, request: Request, action: Optional[Action]) -> bool:
+        """Answer one recorded request as action says; False once the connection is closed."""
+        if action == RESET_AFTER_READ:
+            _reset(conn)
+            return False
+        if action == SLOW:
+            self._stopping.wait(self.slow_seconds)
+        if self.reply_delay:
+            self._stopping.wait(self.reply_delay)
+        if self._stopping.is_set():
+            return False
+        if action == MALFORMED_STATUS:
+            conn.sendall(b"HTTP/1.1 OK-ish\r\n")
+            _close_with_notify(conn)
+            return False
+        if action == HUGE_BODY:
+            return self._send_huge_body(conn, close=not request.keep_alive)
+        if action == NON_JSON:
+            reply = Reply(200, body=b"<html>oops</html>", headers={"Content-Type": "text/html"})
+        elif isinstance(action, Reply):
+            reply = action
+        else:
+            reply = self.dispatch(request)
+        if action == TRUNCATED_BODY:
+            conn.sendall(_render(reply, mode=TRUNCATED_BODY))
+            _close_with_notify(conn)
+            return False
+        close = action == CONNECTION_CLOSE or reply.closes or not request.keep_alive
+        conn.sendall(_render(reply, close=close, mode=CHUNKED if action == CHUNKED else ""))
+        if close:
+            _close_with_notify(conn)
+            return False
+        return True
+
+    def _send_huge_body(self, conn: ssl.SSLSocket, close: bool) -> bool:
+        body = memoryview(_huge_json_body())
+        framing = [f"Content-Length: {len(body)}"] + (["Connection: close"] if close else [])
+        head = _render_head(200, {"Content-Type": JSON_CONTENT_TYPE}, framing)
+        try:
+            conn.sendall(head + body[:_STREAM_PIECE])
+            for start in range(_STREAM_PIECE, len(body), _STREAM_PIECE):
+                conn.sendall(body[start : start + _STREAM_PIECE])
+        except OSError:
+            return False  # the client hung up part way: stop quietly
+        if close:
+            _close_with_notify(conn)
+            return False
+        return True
+
+
+# Fake Google: the v1 API's authentication, topics and metadata server ########################
+# FakeFCM grown into the rest of what a v1 client talks to: an OAuth2 token endpoint that
+# verifies service-account JWTs with the test key's public half, bearer-token checks on
+# sends, the topic registrations API, and (with tls=False) a GCE metadata server.
+
+TEST_PROJECT = "test-project"
+TEST_CLIENT_EMAIL = "pusher@test-project.iam.gserviceaccount.com"
+TEST_KEY_ID = "test-key-id-0123"
+FCM_SCOPE = "https://www.googleapis.com/auth/firebase.messaging"
+_REGISTRATION_PATH = re.compile(
+    r"/v1/projects/([^/]+)/registrations/([^/]+)/topicSubscriptions(?:/([^/?]+))?\Z"
+)
+
+
+def fcm_error(status: int, error_code: Optional[str], message: str = "", **headers: str) -> Reply:
+    """A v1 error answer as FCM sends it; error_code None leaves out the FcmError detail."""
+    states = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+              404: "NOT_FOUND", 409: "ALREADY_EXISTS", 429: "RESOURCE_EXHAUSTED",
+              500: "INTERNAL", 503: "UNAVAILABLE"}
+    error: Dict[str, Any] = {"code": status, "message": message or "error %d" % status,
+                             "status": states.get(status, "UNKNOWN")}
+    if error_code:
+        error["details"] = [{"@type": "type.googleapis.com/google.firebase.fcm.v1.FcmError",
+                             "errorCode": error_code}]
+    return Reply(status, json={"error": error}, headers=dict(
+        (name.replace("_", "-"), value) for name, value in headers.items()))
+
+
+def service_account_info(server: "FakeGoogle", key_pem: str = "") -> Dict[str, Any]:
+    """A service account key file's contents, pointing at the fake token endpoint."""
+    return {
+        "type": "service_account",
+        "project_id": TEST_PROJECT,
+        "private_key_id": TEST_KEY_ID,
+        "private_key": key_pem or TEST_RSA_KEY_PKCS8_PEM,
+        "client_email": TEST_CLIENT_EMAIL,
+        "client_id": "1234567890",
+        "token_uri": server.endpoint + "/token",
+    }
+
+
+def _b64url_decode(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class FakeGoogle(FakeFCM):
+    """FakeFCM plus OAuth2 tokens, v1 bearer checks, topic registrations and metadata."""
+
+    def __init__(self, tls: bool = True) -> None:
+        super().__init__(tls=tls)
+        self.token_lifetime = 3600        # expires_in of the tokens it issues
+        self.issued: List[str] = []       # access tokens issued, in order
+        self.valid_tokens: Set[str] = set()
+        self.jwt_claims: List[Dict[str, Any]] = []
+        self.subscriptions: Set[Tuple[str, str]] = set()
+        self.refresh_token = "test-refresh-token"
+        self.routes.update({
+            ("POST", "/token"): self.handle_token,
+            ("POST", "/v1/projects/"): self.handle_v1,
+            ("DELETE", "/v1/projects/"): self.handle_v1,
+            ("GET", "/computeMetadata/v1/instance/service-accounts/default/token"):
+                self.handle_metadata_token,
+            ("GET", "/computeMetadata/v1/project/project-id"): self.handle_metadata_project,
+        })
+
+    def revoke_tokens(self) -> None:
+        """Make every token issued so far invalid, as if revoked early."""
+        self.valid_tokens.clear()
+
+    def handle_token(self, request: Request) -> Reply:
+        form = dict(urllib.parse.parse_qsl(request.body.decode("ascii")))
+        grant = form.get("grant_type")
+        if grant == "urn:ietf:params:oauth:grant-type:jwt-bearer":
+            problem = self._check_jwt(form.get("assertion", ""))
+        elif grant == "refresh_token":
+            problem = "" if form.get("refresh_token") == self.refresh_token else "bad refresh token"
+        else:
+            problem = "unsupported grant_type"
+        if problem:
+            return Reply(400, json={"error": "invalid_grant", "error_description": problem})
+        return Reply(200, json=self._issue())
+
+    def handle_metadata_token(self, request: Request) -> Reply:
+        if request.headers.get("metadata-flavor") != "Google":
+            return Reply(403, body=b"Missing Metadata-Flavor:Google header.")
+        return Reply(200, json=self._issue())
+
+    def handle_metadata_project(self, request: Request) -> Reply:
+        return Reply(200, body=b"metadata-project", headers={"Content-Type": "text/plain"})
+
+    def handle_v1(self, request: Request) -> Reply:
+        authorization = request.headers.get("authorization", "")
+        if not authorization.startswith("Bearer ") or authorization[7:] not in self.valid_tokens:
+            return fcm_error(401, None, "Request had invalid authentication credentials.")
+        match = _REGISTRATION_PATH.match(request.path.partition("?")[0])
+        if match is None:
+            return self.handle_v1_send(request)
+        token = urllib.parse.unquote(match.group(2))
+        if request.method == "POST":
+            topic = dict(urllib.parse.parse_qsl(request.path.partition("?")[2])).get("topic_name")
+            if (token, topic) in self.subscriptions:
+                return fcm_error(409, None, "Requested entity already exists")
+            self.subscriptions.add((token, str(topic)))
+        else:
+            self.subscriptions.discard((token, urllib.parse.unquote(match.group(3) or "")))
+        return Reply(200, json={})
+
+    def _issue(self) -> Dict[str, Any]:
+        with self._lock:
+            token = "ya29.test-token-%d" % (len(self.issued) + 1)
+            self.issued.append(token)
+            self.valid_tokens.add(token)
+        return {"access_token": token, "expires_in": self.token_lifetime, "token_type": "Bearer"}
+
+    def _check_jwt(self, assertion: str) -> str:
+        """What is wrong with a service account's JWT, or "" when it is right."""
+        try:
+            header_b64, claims_b64, signature_b64 = assertion.split(".")
+            header = json.loads(_b64url_decode(header_b64))
+            claims = json.loads(_b64url_decode(claims_b64))
+            signature = int.from_bytes(_b64url_decode(signature_b64), "big")
+        except ValueError:
+            return "malformed JWT"
+        self.jwt_claims.append(claims)
+        key = TEST_RSA_PUBLIC_KEY
+        digest_info = bytes.fromhex("3031300d060960864801650304020105000420") + hashlib.sha256(
+            (header_b64 + "." + claims_b64).encode("ascii")).digest()
+        expected = b"\x00\x01" + b"\xff" * (256 - len(digest_info) - 3) + b"\x00" + digest_info
+        now = time.time()
+        checks = [
+            (header == {"alg": "RS256", "typ": "JWT", "kid": TEST_KEY_ID}, "bad header"),
+            (pow(signature, key[1], key[0]) == int.from_bytes(expected, "big"),
+             "Invalid JWT Signature."),
+            (claims.get("iss") == TEST_CLIENT_EMAIL, "bad iss"),
+            (claims.get("aud") == self.endpoint + "/token", "bad aud"),
+            (claims.get("scope") == FCM_SCOPE, "bad scope"),
+            (abs(claims.get("iat", 0) - now) < 60 and 0 < claims.get("exp", 0) - claims["iat"]
+             <= 3600, "Invalid JWT: Token must be a short-lived token (60 minutes) and in a "
+             "reasonable timeframe. Check your iat and exp values in the JWT claim."),
+        ]
+        return next((problem for ok, problem in checks if not ok), "")
+
+#: The test key's public half, from `openssl rsa -noout -modulus`: (n, e).
+TEST_RSA_PUBLIC_KEY = (int(
+    "AC1C45C4EDA6A7FA816C836A7D297C1C8777DF4D15666237B145199ECDD4DE52"
+    "F9857A2B7939E2F7A07CDDB4152AB8560582E3DB5519CDB86CB2FAB1B43765AF"
+    "F678B549CAE8B14968771BDC483DC8EB05E110CE2700ADECC72F295E1550DA8E"
+    "DF5AFAE7AAB800153D25D9C28F3BCA218264F97F5E12C848AEB6EA6FC97EFE3A"
+    "B5EAF65BB6E6AF0C1B08ADE905F570DE16CCE0435C04438EB6F3AAEB99E8B664"
+    "04FC6A833E11FA9E0CDF09F51F71BC004A3F3E86BBF93E148CFAEC9DF978E882"
+    "D0B11D696C8F6EFDF60F34E4386C75E8EF35DBE637EF14C38BFF979C4F780C72"
+    "F0545F715CD93F642B816DDC4ADDFD48E2006E83CD1D874C615FE88D1D502157", 16), 65537)
+
+SERVER_KEY = "AAAA-test-server-key-0123456789"
+TOKEN = "device-token-0123456789abcdef"
+LEGACY_MESSAGE = {"to": TOKEN, "notification": {"title": "Update", "body": "Ready"},
+                  "data": {"extra": "data"}}
+V1_MESSAGE = {"token": TOKEN, "notification": {"title": "Update", "body": "Ready"}}
+
+
+def response(status: int, body: Any = None, **headers: str) -> andpush.Response:
+    """A Response built by hand, for the socket-free tests."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    names = {name.replace("_", "-").lower(): value for name, value in headers.items()}
+    return andpush.Response(status, "Reason", andpush.Headers(names), raw)
+
+
+class ServerTestCase(unittest.TestCase):
+    """A test with its own fake server, and clients that are closed at the end."""
+
+    server_class = FakeFCM
+
+    def setUp(self) -> None:
+        self.server = self.server_class()
+        self.server.start()
+        self.addCleanup(self.server.close)
+        self.addCleanup(lambda: self.assertEqual(self.server.errors, []))
+
+    def client(self, key: str = SERVER_KEY, **options: Any) -> andpush.Client:
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        client = andpush.new(key, **options)
+        self.addCleanup(client.close)
+        return client
+
+
+# Socket-free: errors, headers, retries ######################################################
+
+class ErrorClassificationTest(unittest.TestCase):
+    def test_error_codes_map_to_classes_named_like_firebase_admin(self) -> None:
+        table = [
+            (400, "INVALID_ARGUMENT", andpush.InvalidArgumentError),
+            (404, "UNREGISTERED", andpush.UnregisteredError),
+            (403, "SENDER_ID_MISMATCH", andpush.SenderIdMismatchError),
+            (429, "QUOTA_EXCEEDED", andpush.QuotaExceededError),
+            (503, "UNAVAILABLE", andpush.UnavailableError),
+            (500, "INTERNAL", andpush.InternalError),
+            (401, "THIRD_PARTY_AUTH_ERROR", andpush.ThirdPartyAuthError),
+            (401, "APNS_AUTH_ERROR", andpush.ThirdPartyAuthError),
+        ]
+        for status, code, cls in table:
+            with self.subTest(code):
+                error = andpush._http_error(response(status, fcm_error(status, code).json))
+                self.assertIs(type(error), cls)
+                self.assertEqual(error.error_code, code)
+                self.assertEqual(error.status_code, status)
+                base = andpush.ClientError if status < 500 else andpush.ServerError
+                self.assertIsInstance(error, base)
+
+    def test_without_an_error_code_the_status_decides(self) -> None:
+        table = [
+            (400, andpush.InvalidArgumentError), (429, andpush.QuotaExceededError),
+            (500, andpush.InternalError), (503, andpush.UnavailableError),
+            (401, andpush.ClientError), (502, andpush.ServerError), (301, andpush.HTTPError),
+        ]
+        for status, cls in table:
+            with self.subTest(status):
+                self.assertIs(type(andpush._http_error(response(status, b"<html>"))), cls)
+
+    def test_a_bare_404_is_never_unregistered(self) -> None:
+        # A wrong project id answers 404 NOT_FOUND too; deleting tokens on it would be a disaster.
+        error = andpush._http_error(response(404, fcm_error(404, None).json))
+        self.assertIs(type(error), andpush.ClientError)
+        self.assertEqual(error.error_code, "NOT_FOUND")
+
+    def test_message_says_status_code_and_server_explanation(self) -> None:
+        error = andpush._http_error(response(404, fcm_error(404, "UNREGISTERED", "gone").json))
+        self.assertEqual(str(error), "HTTP 404 Reason (UNREGISTERED): gone")
+
+
+class RetryAfterTest(unittest.TestCase):
+    def test_seconds_and_http_dates(self) -> None:
+        self.assertEqual(andpush._retry_after("120"), 120.0)
+        self.assertIsNone(andpush._retry_after(None))
+        self.assertIsNone(andpush._retry_after("soon"))
+        later = email.utils.formatdate(time.time() + 30, usegmt=True)
+        self.assertAlmostEqual(andpush._retry_after(later) or 0, 30, delta=2)
+        earlier = email.utils.formatdate(time.time() - 30, usegmt=True)
+        self.assertEqual(andpush._retry_after(earlier), 0.0)
+
+    def test_http_error_carries_retry_after(self) -> None:
+        error = andpush._http_error(response(503, b"", retry_after="7"))
+        self.assertEqual(error.retry_after, 7.0)
+
+
+class RetryPolicyTest(unittest.TestCase):
+    def test_what_is_retried(self) -> None:
+        retry = andpush._Retry(3, 0.01, may_refresh=False)
+        def error(status: int, code: Optional[str] = None) -> andpush.Error:
+            return andpush._http_error(response(status, fcm_error(status, code).json))
+        retried = [error(503), error(500), error(429), error(503, "UNAVAILABLE"),
+                   andpush.NetworkError("x", may_have_been_delivered=False)]
+        not_retried = [error(400), error(404, "UNREGISTERED"), error(403), error(401),
+                       error(502), andpush.NetworkError("x", may_have_been_delivered=True)]
+        for e in retried:
+            with self.subTest(repr(e)):
+                self.assertIsNotNone(retry.after(e))
+        for e in not_retried:
+            with self.subTest(repr(e)):
+                self.assertIsNone(retry.after(e))
+
+    def test_budget_runs_out_and_waits_grow(self) -> None:
+        retry: Optional[andpush._Retry] = andpush._Retry(3, 1.0)
+        waits = []
+        error = andpush._http_error(response(503, b""))
+        while retry is not None:
+            step = retry.after(error)
+            if step is None:
+                break
+            retry, wait = step
+            waits.append(wait)
+        self.assertEqual(len(waits), 3)
+        for attempt, wait in enumerate(waits):
+            self.assertTrue(0.5 * 2 ** attempt <= wait <= 1.5 * 2 ** attempt, waits)
+
+    def test_retry_after_wins_when_longer_and_too_long_gives_up(self) -> None:
+        retry = andpush._Retry(3, 0.01)
+        step = retry.after(andpush._http_error(response(503, b"", retry_after="5")))
+        self.assertEqual(step and step[1], 5.0)
+        self.assertIsNone(retry.after(andpush._http_error(response(503, b"", retry_after="3600"))))
+
+    def test_quota_exceeded_waits_a_minute_without_retry_after(self) -> None:
+        step = andpush._Retry(3, 0.01).after(andpush._http_error(response(429, b"")))
+        self.assertEqual(step and step[1], 60.0)
+
+    def test_a_rejected_access_token_is_refreshed_once(self) -> None:
+        rejected = andpush._http_error(response(401, fcm_error(401, None).json))
+        step = andpush._Retry(0, 0.01).after(rejected)
+        self.assertIsNotNone(step)
+        assert step is not None
+        self.assertEqual(step[1], 0.0)
+        self.assertIsNone(step[0].after(rejected))
+        apns = andpush._http_error(response(401, fcm_error(401, "THIRD_PARTY_AUTH_ERROR").json))
+        self.assertIsNone(andpush._Retry(3, 0.01).after(apns))
+
+
+class HeadersAndResponseTest(unittest.TestCase):
+    def test_headers_are_case_insensitive(self) -> None:
+        headers = andpush.Headers({"content-type": "application/json"})
+        self.assertEqual(headers["Content-Type"], "application/json")
+        self.assertIn("CONTENT-TYPE", headers)
+        self.assertEqual(dict(headers), {"content-type": "application/json"})
+
+    def test_json_is_parsed_once_and_non_json_says_so(self) -> None:
+        ok = response(200, {"a": 1})
+        self.assertIs(ok.json, ok.json)
+        with self.assertRaisesRegex(ValueError, "not JSON"):
+            response(200, b"<html>").json
+
+    def test_repr_shows_no_body(self) -> None:
+        self.assertEqual(repr(response(200, {"token": TOKEN})), "<Response [200]>")
+
+
+class BadInputTest(ServerTestCase):
+    """Bad input raises a TypeError or ValueError that says what to fix, before any I/O."""
+
+    def test_bad_options(self) -> None:
+        table: List[Tuple[Dict[str, Any], type, str]] = [
+            ({"server_key": ""}, ValueError, "empty"),
+            ({"server_key": 5}, TypeError, "must be a str"),
+            ({"server_key": "a\r\nInjected: 1"}, ValueError, "line break"),
+            ({"server_key": "k", "endpoint": "http://127.0.0.1"}, ValueError, "https"),
+            ({"server_key": "k", "endpoint": "https://h/fcm"}, ValueError, "only scheme"),
+            ({"server_key": "k", "endpoint": "fcm.googleapis.com"}, ValueError, "https://"),
+            ({"server_key": "k", "timeout": 0}, ValueError, "timeout"),
+            ({"server_key": "k", "pool_size": 0}, ValueError, "pool_size"),
+            ({"server_key": "k", "max_retries": -1}, ValueError, "max_retries"),
+            ({"server_key": "k", "rate_limit": 0}, ValueError, "rate_limit"),
+            ({"server_key": "k", "ssl_context": "no"}, TypeError, "SSLContext"),
+            ({"server_key": "k", "proxy": "socks5://p:1"}, ValueError, "proxy"),
+            ({"server_key": "k", "access_token": "t"}, ValueError, "only one"),
+            ({"access_token": "t"}, ValueError, "project_id"),
+            ({"credentials": 42}, TypeError, "credentials"),
+        ]
+        for options, error, fragment in table:
+            with self.subTest(options):
+                with self.assertRaisesRegex(error, fragment):
+                    andpush.new(**options)
+
+    def test_bad_messages_are_refused_before_any_connection(self) -> None:
+        client = self.client()
+        table: List[Tuple[Any, type, str]] = [
+            ([TOKEN], TypeError, "must be a dict"),
+            ({"to": TOKEN, "data": {"when": datetime.datetime.now()}}, TypeError, "serialisable"),
+            ({"to": TOKEN, "data": {"x": float("nan")}}, ValueError, "serialisable"),
+        ]
+        for message, error, fragment in table:
+            with self.subTest(message=message):
+                with self.assertRaisesRegex(error, fragment):
+                    client.push(message)
+        self.assertEqual(self.server.connections, 0)
+
+    def test_andpush_build_is_andpush_new(self) -> None:
+        self.assertIs(andpush.build, andpush.new)
+
+
+# The transport, against the fake server ####################################################
+
+class KeepAliveTest(ServerTestCase):
+    def test_one_handshake_serves_many_pushes(self) -> None:
+        client = self.client()
+        for _ in range(20):
+            self.assertEqual(client.push(LEGACY_MESSAGE).status_code, 200)
+        self.assertEqual((self.server.connections, self.server.handshakes), (1, 1))
+        self.assertEqual(self.server.processed, 20)
+
+    def test_healthy_idle_tls13_connection_is_reused(self) -> None:
+        # TLS 1.3 session tickets make an idle socket readable; that is not a dead connection.
+        client = self.client()
+        client.push(LEGACY_MESSAGE)
+        time.sleep(0.2)
+        client.push(LEGACY_MESSAGE)
+        self.assertEqual(self.server.handshakes, 1)
+
+    def test_response_fields(self) -> None:
+        response = self.client().push(LEGACY_MESSAGE)
+        self.assertEqual(response.status_code, 200)
+        self.assertEqual(response.headers["Content-Type"], JSON_CONTENT_TYPE)
+        self.assertEqual(json.loads(response.body), response.json)
+        self.assertEqual(response.json["success"], 1)
+        sent = self.server.requests[0]
+        self.assertEqual(sent.headers["authorization"], "key=" + SERVER_KEY)
+        self.assertEqual(sent.json, LEGACY_MESSAGE)
+
+    def test_context_manager_closes_the_client(self) -> None:
+        with self.client() as client:
+            client.push(LEGACY_MESSAGE)
+        with self.assertRaisesRegex(ValueError, "closed"):
+            client.push(LEGACY_MESSAGE)
+
+    def test_idle_longer_than_keep_alive_timeout_is_replaced(self) -> None:
+        client = self.client(keep_alive_timeout=0.05)
+        client.push(LEGACY_MESSAGE)
+        time.sleep(0.15)
+        client.push(LEGACY_MESSAGE)
+        self.assertEqual((self.server.handshakes, self.server.processed), (2, 2))
+
+    def test_many_threads_share_one_client(self) -> None:
+        client = self.client(pool_size=3)
+        errors: List[BaseException] = []
+
+        def send() -> None:
+            try:
+                for _ in range(25):
+                    client.push(LEGACY_MESSAGE)
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=send) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertEqual(errors, [])
+        self.assertEqual(self.server.processed, 200)
+        self.assertLessEqual(self.server.connections, 3)
+
+    @unittest.skipUnless(hasattr(os, "fork"), "needs os.fork")
+    def test_a_forked_child_never_uses_the_parents_connection(self) -> None:
+        client = self.client()
+        client.push(LEGACY_MESSAGE)
+        pid = os.fork()
+        if pid == 0:  # the child: push, and report through the exit status
+            try:
+                client.push(LEGACY_MESSAGE)
+                os._exit(0)
+            except BaseException:  # noqa: BLE001
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual(status, 0)
+        client.push(LEGACY_MESSAGE)
+        self.assertEqual(self.server.processed, 3)
+        self.assertEqual(self.server.handshakes, 2)
+        self.assertEqual([r.connection for r in self.server.requests], [1, 2, 1])
+
+
+class ServerClosesConnectionTest(ServerTestCase):
+    """Connections the server closed are replaced; a request is never lost or duplicated."""
+
+    def test_idle_close_with_close_notify_is_detected_before_reuse(self) -> None:
+        self.server.close_idle_after = 0.1
+        client = self.client()
+        client.push(LEGACY_MESSAGE)
+        time.sleep(0.3)
+        client.push(LEGACY_MESSAGE)
+        self.assertEqual((self.server.handshakes, self.server.processed), (2, 2))
+
+    def test_abrupt_close_without_close_notify_is_detected_before_reuse(self) -> None:
+        self.server.close_every = 1
+        client = self.client()
+        for _ in range(3):
+            client.push(LEGACY_MESSAGE)
+            time.sleep(0.05)
+        self.assertEqual((self.server.handshakes, self.server.processed), (3, 3))
+
+    def test_close_right_after_each_answer_in_a_tight_loop(self) -> None:
+        # The server's FIN may race the next request: either way, one processing per push.
+        self.server.close_every = 2
+        client = self.client()
+        for _ in range(20):
+            client.push(LEGACY_MESSAGE)
+        self.assertEqual(self.server.processed, 20)
+
+    def test_reset_before_read_on_a_reused_connection_is_sent_once_more(self) -> None:
+        # What a server closing a connection with the next request unread looks like.
+        client = self.client()
+        client.push(LEGACY_MESSAGE)
+        self.server.inject(RESET_BEFORE_READ)
+        self.assertEqual(client.push(LEGACY_MESSAGE).status_code, 200)
+        self.assertEqual((self.server.processed, self.server.handshakes), (2, 2))
+
+    def test_eof_on_a_reused_connection_is_sent_once_more(self) -> None:
+        # The server's FIN can race the next request on the wire: lose that race on purpose.
+        self.server.close_every = 2
+        client = self.client()
+        client.push(LEGACY_MESSAGE)
+        client.push(LEGACY_MESSAGE)  # answered, then the server closes
+        time.sleep(0.1)
+        with unittest.mock.patch.object(andpush._Connection, "is_alive", lambda self: True):
+            client.push(LEGACY_MESSAGE)
+        self.assertEqual((self.server.processed, self.server.handshakes), (3, 2))
+
+    def test_reset_before_read_on_a_new_connection_raises(self) -> None:
+        self.server.inject(RESET_BEFORE_READ)
+        with self.assertRaises(andpush.NetworkError) as caught:
+            self.client().push(LEGACY_MESSAGE)
+        # The client cannot know that the server did not process it.
+        self.assertTrue(caught.exception.may_have_been_delivered)
+        self.assertEqual(self.server.processed, 0)
+
+    def test_reset_after_read_raises_and_is_not_resent(self) -> None:
+        self.server.inject(RESET_AFTER_READ)
+        client = self.client()
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(LEGACY_MESSAGE)
+        self.assertTrue(caught.exception.may_have_been_delivered)
+        self.assertEqual(self.server.processed, 1)
+        client.push(LEGACY_MESSAGE)
+        self.assertEqual(self.server.processed, 2)
+
+    def test_connection_close_header_ends_the_connection(self) -> None:
+        self.server.inject(CONNECTION_CLOSE)
+        client = self.client()
+        client.push(LEGACY_MESSAGE)
+        client.push(LEGACY_MESSAGE)
+        self.assertEqual((self.server.handshakes, self.server.processed), (2, 2))
+
+
+class ConnectFailureTest(unittest.TestCase):
+    def test_nothing_listening_is_not_delivered(self) -> None:
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            port = unused.getsockname()[1]
+        client = andpush.new(SERVER_KEY, endpoint="https://127.0.0.1:%d" % port, max_retries=0)
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(LEGACY_MESSAGE)
+        self.assertFalse(caught.exception.may_have_been_delivered)
+        self.assertIsInstance(caught.exception, OSError)
+
+    def test_an_untrusted_certificate_is_refused(self) -> None:
+        with FakeFCM() as server:
+            client = andpush.new(SERVER_KEY, endpoint=server.endpoint, max_retries=0)
+            with self.assertRaises(andpush.NetworkError) as caught:
+                client.push(LEGACY_MESSAGE)
+            self.assertFalse(caught.exception.may_have_been_delivered)
+            self.assertIn("CERTIFICATE_VERIFY_FAILED", str(caught.exception))
+            self.assertEqual(server.processed, 0)
+
+    def test_a_host_name_mismatch_is_refused(self) -> None:
+        with FakeFCM() as server:
+            endpoint = server.endpoint.replace("127.0.0.1", "127.0.0.2")
+            client = andpush.new(SERVER_KEY, endpoint=endpoint, ssl_context=client_context(),
+                                 max_retries=0)
+            with self.assertRaises(andpush.NetworkError):
+                client.push(LEGACY_MESSAGE)
+
+
+class MalformedAnswerTest(ServerTestCase):
+    """Answers that break HTTP raise NetworkError(may_have_been_delivered=True)."""
+
+    def assert_delivered_maybe(self, misbehaviour: str, **options: Any) -> None:
+        self.server.inject(misbehaviour)
+        client = self.client(**options)
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(LEGACY_MESSAGE)
+        self.assertTrue(caught.exception.may_have_been_delivered)
+        self.assertEqual(self.server.processed, 1)
+        client.push(LEGACY_MESSAGE)  # and the client goes on with a fresh connection
+        self.assertEqual((self.server.processed, self.server.handshakes), (2, 2))
+
+    def test_timeout(self) -> None:
+        self.server.slow_seconds = 1.0
+        self.assert_delivered_maybe(SLOW, timeout=0.2)
+
+    def test_malformed_status_line(self) -> None:
+        self.assert_delivered_maybe(MALFORMED_STATUS)
+
+    def test_truncated_body(self) -> None:
+        self.assert_delivered_maybe(TRUNCATED_BODY)
+
+    def test_body_over_the_size_cap(self) -> None:
+        self.assert_delivered_maybe(HUGE_BODY)
+
+    def test_chunked_body_is_read_and_the_connection_kept(self) -> None:
+        self.server.inject(CHUNKED)
+        client = self.client()
+        self.assertEqual(client.push(LEGACY_MESSAGE).json["success"], 1)
+        client.push(LEGACY_MESSAGE)
+        self.assertEqual(self.server.handshakes, 1)
+
+    def test_non_json_success_is_returned_with_its_body(self) -> None:
+        self.server.inject(NON_JSON)
+        answer = self.client().push(LEGACY_MESSAGE)
+        self.assertEqual(answer.body, b"<html>oops</html>")
+        with self.assertRaisesRegex(ValueError, "not JSON"):
+            answer.json
+
+
+class ErrorAnswerTest(ServerTestCase):
+    def test_4xx_and_5xx_raise_with_retry_after(self) -> None:
+        self.server.inject(
+            Reply(503, body=b"busy", headers={"Retry-After": "30"}),
+            Reply(401, body=b"<HTML>Unauthorized</HTML>"),
+            Reply(500, body=b""),
+        )
+        client = self.client()
+        with self.assertRaises(andpush.UnavailableError) as unavailable:
+            client.push(LEGACY_MESSAGE)
+        self.assertEqual(unavailable.exception.retry_after, 30.0)
+        self.assertEqual(unavailable.exception.response.body, b"busy")
+        with self.assertRaises(andpush.ClientError) as unauthorized:
+            client.push(LEGACY_MESSAGE)
+        self.assertEqual(unauthorized.exception.status_code, 401)
+        self.assertIsNone(unauthorized.exception.error_code)
+        self.assertIsNone(unauthorized.exception.retry_after)
+        with self.assertRaises(andpush.ServerError):
+            client.push(LEGACY_MESSAGE)
+        self.assertEqual(self.server.processed, 3)
+        self.assertEqual(self.server.handshakes, 1)
+
+
+class LegacyResultsTest(ServerTestCase):
+    def test_per_token_errors_and_canonical_ids_are_a_success(self) -> None:
+        self.server.unregistered_tokens.add("gone")
+        self.server.canonical_tokens["old"] = "new"
+        answer = self.client().push({"registration_ids": ["ok", "gone", "old"], "data": {}})
+        self.assertEqual(answer.errors, {"gone": "NotRegistered"})
+        self.assertEqual(answer.canonical_tokens, {"old": "new"})
+
+    def test_validate_only_is_a_dry_run(self) -> None:
+        answer = self.client().push(LEGACY_MESSAGE, validate_only=True)
+        self.assertEqual(answer.json["multicast_id"], -1)
+        self.assertIs(self.server.requests[0].json["dry_run"], True)
+
+
+class SecretsTest(ServerTestCase):
+    def test_secrets_stay_out_of_repr_messages_and_logs(self) -> None:
+        with self.assertLogs("andpush", "DEBUG") as logs:
+            client = self.client()
+            texts = [repr(client), repr(client.push(LEGACY_MESSAGE))]
+            self.server.inject(Reply(401, body=b"no"), RESET_AFTER_READ)
+            for _ in range(2):
+                try:
+                    client.push(LEGACY_MESSAGE)
+                except andpush.Error as exc:
+                    texts.append(str(exc))
+                    texts.append(repr(exc))
+        texts.extend(logs.output)
+        for text in texts:
+            self.assertNotIn(SERVER_KEY, text)
+            self.assertNotIn(TOKEN, text)
+
+
+class ProxyTest(ServerTestCase):
+    def test_connect_tunnel_with_credentials(self) -> None:
+        with ConnectProxy() as proxy:
+            client = self.client(proxy="http://user:secret@127.0.0.1:%d" % proxy.port)
+            client.push(LEGACY_MESSAGE)
+            client.push(LEGACY_MESSAGE)
+        self.assertEqual(proxy.targets, ["127.0.0.1:%d" % self.server.port])
+        basic = "Basic " + base64.b64encode(b"user:secret").decode()
+        self.assertEqual(proxy.authorizations, [basic])
+        self.assertEqual(self.server.processed, 2)
+
+    def test_https_proxy_and_no_proxy_from_the_environment(self) -> None:
+        with ConnectProxy() as proxy:
+            with environment(HTTPS_PROXY="http://127.0.0.1:%d" % proxy.port, NO_PROXY=""):
+                self.client().push(LEGACY_MESSAGE)
+            with environment(HTTPS_PROXY="http://127.0.0.1:%d" % proxy.port,
+                             NO_PROXY="example.com,127.0.0.1"):
+                self.client().push(LEGACY_MESSAGE)
+        self.assertEqual(len(proxy.targets), 1)
+        self.assertEqual(self.server.processed, 2)
+
+    def test_a_refusing_proxy_is_a_network_error(self) -> None:
+        with ConnectProxy(status=407) as proxy:
+            client = self.client(proxy="http://127.0.0.1:%d" % proxy.port)
+            with self.assertRaises(andpush.NetworkError) as caught:
+                client.push(LEGACY_MESSAGE)
+        self.assertFalse(caught.exception.may_have_been_delivered)
+        self.assertEqual(self.server.processed, 0)
+
+
+class ConnectProxy:
+    """A tiny HTTP CONNECT proxy on 127.0.0.1 that records what it was asked."""
+
+    def __init__(self, status: int = 200) -> None:
+        self.status = status
+        self.targets: List[str] = []
+        self.authorizations: List[str] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._threads: List[threading.Thread] = []
+
+    def __enter__(self) -> "ConnectProxy":
+        self._spawn(self._accept)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._listener.close()
+        for thread in self._threads:
+            thread.join(5)
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._spawn(self._tunnel, conn)
+
+    def _tunnel(self, conn: socket.socket) -> None:
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            lines = head.decode("latin-1").split("\r\n")
+            self.targets.append(lines[0].split()[1])
+            for line in lines[1:]:
+                if line.lower().startswith("proxy-authorization:"):
+                    self.authorizations.append(line.split(":", 1)[1].strip())
+            if self.status != 200:
+                conn.sendall(b"HTTP/1.1 %d No\r\nContent-Length: 0\r\n\r\n" % self.status)
+                return
+            host, port = lines[0].split()[1].rsplit(":", 1)
+            with socket.create_connection((host, int(port))) as upstream:
+                conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                self._spawn(self._pipe, upstream, conn)
+                self._pipe(conn, upstream)
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def environment(**variables: str) -> Iterator[None]:
+    """Set environment variables (empty string: remove) for the duration of a block."""
+    names = set(variables) | {name.lower() for name in variables}
+    saved = {name: os.environ.get(name) for name in names}
+    for name in names:
+        os.environ.pop(name, None)
+    for name, value in variables.items():
+        if value:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+# RS256 signing and private-key parsing ####################################################
+# Signatures are checked with pow(signature, e, n), independently of the signing code.
+
+# EMSA-PKCS1-v1_5 for SHA-256 as RFC 8017 9.2 spells it, written out again on purpose.
+SHA256_DIGEST_INFO_PREFIX = bytes.fromhex("3031300d060960864801650304020105000420")
+RSA_ALGORITHM_IDENTIFIER = bytes.fromhex("300d06092a864886f70d0101010500")
+OPENSSL = shutil.which("openssl")
+
+
+def expected_pkcs1_v15_sha256(message: bytes, k: int) -> int:
+    """EM = 00 01 FF..FF 00 DigestInfo(SHA-256(message)), as an integer."""
+    t = SHA256_DIGEST_INFO_PREFIX + hashlib.sha256(message).digest()
+    return int.from_bytes(b"\x00\x01" + b"\xff" * (k - len(t) - 3) + b"\x00" + t, "big")
+
+
+def der(tag: int, value: bytes) -> bytes:
+    """A minimal DER encoder for building test keys, broken ones included."""
+    n = len(value)
+    if n < 0x80:
+        return bytes([tag, n]) + value
+    length = n.to_bytes((n.bit_length() + 7) // 8, "big")
+    return bytes([tag, 0x80 | len(length)]) + length + value
+
+
+def der_int(value: int) -> bytes:
+    return der(0x02, value.to_bytes(value.bit_length() // 8 + 1, "big", signed=True))
+
+
+def pkcs1_der(fields: List[int], version: int = 0) -> bytes:
+    return der(0x30, b"".join(der_int(x) for x in [version] + fields))
+
+
+def pkcs8_der(pkcs1: bytes, algorithm: bytes = RSA_ALGORITHM_IDENTIFIER, version: int = 0) -> bytes:
+    return der(0x30, der_int(version) + algorithm + der(0x04, pkcs1))
+
+
+def pem(label: str, data: bytes) -> str:
+    body = "\n".join(textwrap.wrap(base64.b64encode(data).decode("ascii"), 64))
+    return f"-----BEGIN {label}-----\n{body}\n-----END {label}-----\n"
+
+
+def key_fields(key: _RSAPrivateKey) -> List[int]:
+    return [key.n, key.e, key.d, key.p, key.q, key.dp, key.dq, key.qinv]
+
+
+def b64url_decode(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def run_openssl(*args: str) -> bytes:
+    assert OPENSSL is not None
+    return subprocess.run([OPENSSL, *args], check=True, capture_output=True).stdout
+
+
+class PrivateKeyParsingTest(unittest.TestCase):
+    def test_pkcs8_key(self) -> None:
+        key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+        self.assertEqual(key.n.bit_length(), 2048)
+        self.assertEqual(key.size, 256)
+        self.assertEqual(key.e, 65537)
+        self.assertEqual(key.p * key.q, key.n)
+
+    def test_pkcs1_and_pkcs8_forms_give_the_same_numbers(self) -> None:
+        pkcs8 = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+        pkcs1 = _parse_private_key(TEST_RSA_KEY_PKCS1_PEM)
+        self.assertEqual(key_fields(pkcs8), key_fields(pkcs1))
+        self.assertEqual(pkcs8.size, pkcs1.size)
+
+    def test_numbers_re_encode_to_the_openssl_files(self) -> None:
+        # Checks every parsed number, and that the broken keys below are built realistically.
+        fields = key_fields(_parse_private_key(TEST_RSA_KEY_PKCS8_PEM))
+        self.assertEqual(pem("RSA PRIVATE KEY", pkcs1_der(fields)), TEST_RSA_KEY_PKCS1_PEM)
+        self.assertEqual(pem("PRIVATE KEY", pkcs8_der(pkcs1_der(fields))), TEST_RSA_KEY_PKCS8_PEM)
+
+    @unittest.skipUnless(OPENSSL, "openssl not found on PATH; cannot cross-check the modulus")
+    def test_modulus_matches_openssl(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "key.pem")
+            with open(path, "w") as f:
+                f.write(TEST_RSA_KEY_PKCS8_PEM)
+            out = run_openssl("rsa", "-in", path, "-noout", "-modulus").decode("ascii")
+        self.assertEqual(
+            int(out.strip().split("=", 1)[1], 16), _parse_private_key(TEST_RSA_KEY_PKCS8_PEM).n
+        )
+
+    def test_tolerates_crlf_whitespace_and_line_width(self) -> None:
+        expected = key_fields(_parse_private_key(TEST_RSA_KEY_PKCS8_PEM))
+        body = "".join(TEST_RSA_KEY_PKCS8_PEM.splitlines()[1:-1])
+        variants = [
+            TEST_RSA_KEY_PKCS8_PEM.replace("\n", "\r\n"),
+            "\n\n  " + TEST_RSA_KEY_PKCS8_PEM + "  \n\t",
+            TEST_RSA_KEY_PKCS8_PEM.rstrip("\n"),
+            "\n".join("    " + line for line in TEST_RSA_KEY_PKCS8_PEM.splitlines()),
+            f"-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----",
+            TEST_RSA_KEY_PKCS1_PEM.replace("\n", "\r\n"),
+        ]
+        for variant in variants:
+            with self.subTest(variant=variant[:40]):
+                self.assertEqual(key_fields(_parse_private_key(variant)), expected)
+
+    def test_accepts_optional_pkcs8_forms(self) -> None:
+        key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+        pkcs1 = pkcs1_der(key_fields(key))
+        no_params = der(0x30, der(0x06, bytes.fromhex("2a864886f70d010101")))
+        with_attributes = der(
+            0x30, der_int(1) + RSA_ALGORITHM_IDENTIFIER + der(0x04, pkcs1) + der(0xA0, b"")
+        )
+        for data in [pkcs8_der(pkcs1, algorithm=no_params), with_attributes]:
+            with self.subTest(data=data[:8].hex()):
+                self.assertEqual(
+                    key_fields(_parse_private_key(pem("PRIVATE KEY", data))), key_fields(key)
+                )
+
+    def test_non_string_is_a_type_error(self) -> None:
+        with self.assertRaisesRegex(TypeError, "private_key must be a PEM string, not bytes"):
+            _parse_private_key(TEST_RSA_KEY_PKCS8_PEM.encode())  # type: ignore[arg-type]
+
+    def test_repr_hides_key_material(self) -> None:
+        key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+        self.assertEqual(repr(key), "<RSA private key, 2048 bits>")
+        self.assertEqual(str(key), "<RSA private key, 2048 bits>")
+        self.assertFalse(hasattr(key, "__dict__"))
+        for number in key_fields(key):
+            if number > 65537:
+                self.assertNotIn(str(number)[:12], repr(key))
+                self.assertNotIn(format(number, "x")[:12], repr(key))
+
+    def broken_inputs(self) -> List[Tuple[str, str, str]]:
+        fields = key_fields(_parse_private_key(TEST_RSA_KEY_PKCS8_PEM))
+        n, e, d, p, q, dp, dq, qinv = fields
+        good = pkcs8_der(pkcs1_der(fields))
+        lines = TEST_RSA_KEY_PKCS8_PEM.splitlines()
+        body = "\n".join(lines[1:-1])
+        # A consistent but far too small key, from the Mersenne primes 2^127-1 and 2^89-1.
+        tp, tq = 2**127 - 1, 2**89 - 1
+        td = pow(65537, -1, (tp - 1) * (tq - 1))
+        tiny = [tp * tq, 65537, td, tp, tq, td % (tp - 1), td % (tq - 1), pow(tq, -1, tp)]
+        non_null_params = bytes.fromhex("300f06092a864886f70d0101010402abcd")
+        return [
+            # (what, input, fragment of the expected message)
+            ("empty string", "", "not a PEM private key"),
+            ("not PEM", "hello", "not a PEM private key"),
+            ("raw base64 without armor", body, "not a PEM private key"),
+            ("literal backslash-n", TEST_RSA_KEY_PKCS8_PEM.replace("\n", "\\n"), "literal '\\n'"),
+            (
+                "encrypted PKCS#8",
+                TEST_RSA_KEY_PKCS8_PEM.replace("PRIVATE KEY", "ENCRYPTED PRIVATE KEY"),
+                "encrypted PKCS#8 key; export the service account key unencrypted",
+            ),
+            (
+                "encrypted PKCS#1",
+                TEST_RSA_KEY_PKCS1_PEM.replace(
+                    "KEY-----\n",
+                    "KEY-----\nProc-Type: 4,ENCRYPTED\n"
+                    "DEK-Info: AES-128-CBC,00112233445566778899AABBCCDDEEFF\n\n",
+                    1,
+                ),
+                "encrypted PEM key",
+            ),
+            (
+                "EC PEM label",
+                f"-----BEGIN EC PRIVATE KEY-----\n{body}\n-----END EC PRIVATE KEY-----",
+                "is an EC key",
+            ),
+            ("EC PKCS#8 key", TEST_EC_KEY_PKCS8_PEM, "is an EC key"),
+            ("Ed25519 PKCS#8 key", TEST_ED25519_KEY_PKCS8_PEM, "is an Ed25519 key"),
+            ("public key", TEST_RSA_KEY_PKCS8_PEM.replace("PRIVATE", "PUBLIC"), "is a public key"),
+            (
+                "certificate",
+                TEST_RSA_KEY_PKCS8_PEM.replace("PRIVATE KEY", "CERTIFICATE"),
+                "is a certificate",
+            ),
+            (
+                "unknown label",
+                TEST_RSA_KEY_PKCS8_PEM.replace("PRIVATE KEY", "DSA PRIVATE KEY"),
+                "unsupported PEM type 'DSA PRIVATE KEY'",
+            ),
+            ("missing END line", "\n".join(lines[:-1]), "no '-----END PRIVATE KEY-----' line"),
+            (
+                "mismatched END line",
+                TEST_RSA_KEY_PKCS8_PEM.replace("END PRIVATE", "END RSA PRIVATE"),
+                "no '-----END PRIVATE KEY-----' line",
+            ),
+            (
+                "two PEM blocks",
+                TEST_RSA_KEY_PKCS8_PEM + TEST_EC_KEY_PKCS8_PEM,
+                "more than one PEM block",
+            ),
+            (
+                "bad base64 character",
+                TEST_RSA_KEY_PKCS8_PEM.replace("M", "!", 2),
+                "not valid base64",
+            ),
+            (
+                "bad base64 length",
+                "\n".join([lines[0], lines[1][:-1], lines[-1]]),
+                "not valid base64",
+            ),
+            ("truncated PEM body", "\n".join(lines[:5] + lines[-1:]), "truncated"),
+            ("truncated DER", pem("PRIVATE KEY", good[:-10]), "truncated"),
+            (
+                "trailing garbage",
+                pem("PRIVATE KEY", good + b"\x00\x00"),
+                "2 bytes of trailing data",
+            ),
+            ("not a SEQUENCE", pem("PRIVATE KEY", der_int(5)), "not a DER SEQUENCE"),
+            (
+                "indefinite length",
+                pem("PRIVATE KEY", b"\x30\x80" + good[4:] + b"\x00\x00"),
+                "unsupported DER length encoding",
+            ),
+            (
+                "4-byte length",
+                pem("PRIVATE KEY", b"\x30\x84\x00\x00" + good[2:]),
+                "unsupported DER length encoding",
+            ),
+            (
+                "PKCS#8 version 2",
+                pem("PRIVATE KEY", pkcs8_der(pkcs1_der(fields), version=2)),
+                "unsupported PrivateKeyInfo version",
+            ),
+            (
+                "PKCS#8 rsaEncryption with parameters",
+                pem("PRIVATE KEY", pkcs8_der(pkcs1_der(fields), algorithm=non_null_params)),
+                "unexpected rsaEncryption parameters",
+            ),
+            ("PKCS#8 missing fields", pem("PRIVATE KEY", der(0x30, der_int(0))), "missing fields"),
+            (
+                "PKCS#1 multi-prime version",
+                pem("RSA PRIVATE KEY", pkcs1_der(fields, version=1)),
+                "multi-prime keys are unsupported",
+            ),
+            (
+                "PKCS#1 missing qInv",
+                pem("RSA PRIVATE KEY", pkcs1_der(fields[:-1])),
+                "8 fields instead of 9",
+            ),
+            ("PKCS#1 under PKCS#8 label", pem("PRIVATE KEY", pkcs1_der(fields)), "not a SEQUENCE"),
+            (
+                "negative INTEGER",
+                pem("RSA PRIVATE KEY", pkcs1_der([-n] + fields[1:])),
+                "negative INTEGER",
+            ),
+            (
+                "p*q != n",
+                pem("RSA PRIVATE KEY", pkcs1_der([n, e, d, p + 2, q, dp, dq, qinv])),
+                "p*q != n",
+            ),
+            (
+                "wrong dP",
+                pem("RSA PRIVATE KEY", pkcs1_der([n, e, d, p, q, dp + 1, dq, qinv])),
+                "CRT exponents do not match d",
+            ),
+            (
+                "wrong e",
+                pem("RSA PRIVATE KEY", pkcs1_der([n, 3, d, p, q, dp, dq, qinv])),
+                "private exponent does not match e",
+            ),
+            (
+                "wrong qInv",
+                pem("RSA PRIVATE KEY", pkcs1_der([n, e, d, p, q, dp, dq, qinv + 1])),
+                "CRT coefficient",
+            ),
+            (
+                "even e",
+                pem("RSA PRIVATE KEY", pkcs1_der([n, 65536, d, p, q, dp, dq, qinv])),
+                "exponent out of range",
+            ),
+            (
+                "216-bit key",
+                pem("RSA PRIVATE KEY", pkcs1_der(tiny)),
+                "216-bit RSA key, but at least 1024",
+            ),
+        ]
+
+    def test_broken_inputs_raise_helpful_value_errors(self) -> None:
+        key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+        numbers = [x for x in key_fields(key) if x != key.e]
+        secrets = [str(x)[:12] for x in numbers] + [format(x, "x")[:12] for x in numbers]
+        for what, broken, fragment in self.broken_inputs():
+            with self.subTest(what):
+                with self.assertRaises(ValueError) as caught:
+                    _parse_private_key(broken)
+                message = str(caught.exception)
+                self.assertIn(fragment, message)
+                self.assertTrue(message.startswith("private_key "), message)
+                # No key material: no long base64 runs and no prefix of any key number.
+                self.assertIsNone(re.search(r"[A-Za-z0-9+/=]{20,}", message), message)
+                for secret in secrets:
+                    self.assertNotIn(secret, message)
+
+
+class DERReaderTest(unittest.TestCase):
+    def test_short_and_long_form_lengths(self) -> None:
+        for size, header in [
+            (0, "0400"),
+            (127, "047f"),
+            (128, "048180"),
+            (255, "0481ff"),
+            (256, "04820100"),
+            (65535, "0482ffff"),
+            (65536, "0483010000"),
+        ]:
+            with self.subTest(size=size):
+                data = b"\xaa" + bytes.fromhex(header) + b"\x07" * size + b"\xbb"
+                self.assertEqual(_der_read(data, 1), (0x04, b"\x07" * size, len(data) - 1))
+
+    def test_truncated_elements(self) -> None:
+        for data in [b"", b"\x30", b"\x04\x05abcd", b"\x04\x82\x01", b"\x04\x81\x80" + b"x" * 127]:
+            with self.subTest(data=data[:8]), self.assertRaisesRegex(ValueError, "truncated"):
+                _der_read(data, 0)
+
+
+class RS256SigningTest(unittest.TestCase):
+    MESSAGES = (b"", b"abc", b"eyJhbGciOiJSUzI1NiJ9.e30", bytes(range(256)) * 100)
+
+    def setUp(self) -> None:
+        self.key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+
+    def test_b64url(self) -> None:
+        self.assertEqual(_b64url(b""), "")
+        self.assertEqual(_b64url(b"\xfb\xff\xfe"), "-__-")
+        self.assertEqual(_b64url(b"\xfb\xff"), "-_8")
+        self.assertEqual(_b64url(b"a"), "YQ")
+
+    def test_signature_verifies_with_the_public_key(self) -> None:
+        for message in self.MESSAGES:
+            with self.subTest(length=len(message)):
+                signature = _rs256_sign(self.key, message)
+                self.assertEqual(len(signature), 256)
+                recovered = pow(int.from_bytes(signature, "big"), self.key.e, self.key.n)
+                self.assertEqual(recovered, expected_pkcs1_v15_sha256(message, 256))
+
+    def test_pkcs1_key_signs_identically(self) -> None:
+        pkcs1 = _parse_private_key(TEST_RSA_KEY_PKCS1_PEM)
+        self.assertEqual(_rs256_sign(pkcs1, b"abc"), _rs256_sign(self.key, b"abc"))
+
+    def test_signature_does_not_verify_for_another_message(self) -> None:
+        signature = int.from_bytes(_rs256_sign(self.key, b"abc"), "big")
+        self.assertNotEqual(
+            pow(signature, self.key.e, self.key.n), expected_pkcs1_v15_sha256(b"abd", 256)
+        )
+
+    @unittest.skipUnless(
+        OPENSSL, "openssl not found on PATH; skipping cross-check with `openssl dgst`"
+    )
+    def test_matches_openssl_dgst(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            key_path = os.path.join(tmp, "key.pem")
+            message_path = os.path.join(tmp, "message.bin")
+            with open(key_path, "w") as f:
+                f.write(TEST_RSA_KEY_PKCS8_PEM)
+            for message in self.MESSAGES:
+                with self.subTest(length=len(message)):
+                    with open(message_path, "wb") as f:
+                        f.write(message)
+                    expected = run_openssl("dgst", "-sha256", "-sign", key_path, message_path)
+                    self.assertEqual(_rs256_sign(self.key, message), expected)
+
+    def test_jwt(self) -> None:
+        header = {"alg": "RS256", "typ": "JWT", "kid": "0123456789abcdef"}
+        claims = {
+            "iss": "andpush@example.iam.gserviceaccount.com",
+            "scope": "https://www.googleapis.com/auth/firebase.messaging",
+            "aud": "https://oauth2.googleapis.com/token",
+            "iat": 1700000000,
+            "exp": 1700003600,
+            "note": "caf\u00e9 \u2603",
+        }
+        token = _jwt(header, claims, self.key)
+        self.assertRegex(token, r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
+        encoded_header, encoded_claims, encoded_signature = token.split(".")
+        decoded_header = json.loads(b64url_decode(encoded_header))
+        self.assertEqual(decoded_header["alg"], "RS256")
+        self.assertEqual(decoded_header["typ"], "JWT")
+        self.assertEqual(decoded_header["kid"], "0123456789abcdef")
+        self.assertEqual(json.loads(b64url_decode(encoded_claims)), claims)
+        compact = json.dumps(header, separators=(",", ":")).encode("ascii")
+        self.assertEqual(b64url_decode(encoded_header), compact)
+        signature = b64url_decode(encoded_signature)
+        self.assertEqual(len(signature), 256)
+        signing_input = f"{encoded_header}.{encoded_claims}".encode("ascii")
+        recovered = pow(int.from_bytes(signature, "big"), self.key.e, self.key.n)
+        self.assertEqual(recovered, expected_pkcs1_v15_sha256(signing_input, 256))
+
+
+# The HTTP v1 API: credentials, tokens, errors, topics #######################################
+
+class V1TestCase(ServerTestCase):
+    server_class = FakeGoogle
+
+    def v1_client(self, **options: Any) -> andpush.Client:
+        options.setdefault("credentials", service_account_info(self.server))
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        client = andpush.new(**options)
+        self.addCleanup(client.close)
+        return client
+
+
+class V1SendTest(V1TestCase):
+    def test_push_posts_the_message_with_a_bearer_token(self) -> None:
+        answer = self.v1_client().push(V1_MESSAGE)
+        self.assertEqual(answer.json["name"], "projects/%s/messages/0:1" % TEST_PROJECT)
+        token_request, send = self.server.requests
+        self.assertEqual(token_request.path, "/token")
+        self.assertEqual(send.path, "/v1/projects/%s/messages:send" % TEST_PROJECT)
+        self.assertEqual(send.headers["authorization"], "Bearer " + self.server.issued[0])
+        self.assertEqual(send.json, {"message": V1_MESSAGE, "validate_only": False})
+
+    def test_the_jwt_carries_the_claims_google_checks(self) -> None:
+        self.v1_client().push(V1_MESSAGE)
+        claims = self.server.jwt_claims[0]
+        self.assertEqual(claims["iss"], TEST_CLIENT_EMAIL)
+        self.assertEqual(claims["scope"], FCM_SCOPE)
+        self.assertEqual(claims["exp"] - claims["iat"], 3600)
+
+    def test_validate_only(self) -> None:
+        answer = self.v1_client().push(V1_MESSAGE, validate_only=True)
+        self.assertTrue(answer.json["name"].endswith("fake_message_id"))
+        self.assertIs(self.server.requests[-1].json["validate_only"], True)
+
+    def test_credentials_as_a_path_a_dict_or_a_json_string(self) -> None:
+        info = service_account_info(self.server)
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "key.json")
+            with open(path, "w") as file:
+                json.dump(info, file)
+            for credentials in (path, pathlib.Path(path), info, json.dumps(info)):
+                with self.subTest(type(credentials).__name__):
+                    self.v1_client(credentials=credentials).push(V1_MESSAGE)
+
+    def test_pkcs1_keys_work_too(self) -> None:
+        info = service_account_info(self.server, TEST_RSA_KEY_PKCS1_PEM)
+        self.v1_client(credentials=info).push(V1_MESSAGE)
+
+    def test_project_id_overrides_the_key_files(self) -> None:
+        self.v1_client(project_id="other").push(V1_MESSAGE)
+        self.assertEqual(self.server.requests[-1].path, "/v1/projects/other/messages:send")
+
+    def test_a_fixed_access_token_or_a_callable(self) -> None:
+        self.server.valid_tokens.add("fixed")
+        self.v1_client(credentials=None, access_token="fixed", project_id="p").push(V1_MESSAGE)
+        calls = []
+
+        def fresh() -> str:
+            calls.append(1)
+            return "fixed"
+
+        client = self.v1_client(credentials=None, access_token=fresh, project_id="p")
+        client.push(V1_MESSAGE)
+        client.push(V1_MESSAGE)
+        self.assertEqual(len(calls), 2)
+        self.assertEqual([r.headers["authorization"] for r in self.server.requests],
+                         ["Bearer fixed"] * 3)
+
+    def test_repr_names_the_api_only(self) -> None:
+        client = self.v1_client()
+        self.assertEqual(repr(client), "<andpush.Client v1 %s>" % self.server.endpoint)
+
+
+class MessageValidationTest(unittest.TestCase):
+    def test_bad_v1_messages(self) -> None:
+        table: List[Tuple[Any, type, str]] = [
+            ("text", TypeError, "must be a dict"),
+            ({"notification": {}}, ValueError, "exactly one target.*none"),
+            ({"token": "a", "topic": "b"}, ValueError, "exactly one target.*token, topic"),
+            ({"token": ""}, ValueError, "non-empty"),
+            ({"topic": "/topics/news"}, ValueError, "without the /topics/ prefix"),
+            ({"topic": "bad topic!"}, ValueError, "not a valid topic"),
+            ({"token": "a", "data": {"n": 1}}, TypeError, r"data\['n'\] must be a str"),
+            ({"token": "a", "data": {"from": "x"}}, ValueError, "reserved"),
+            ({"token": "a", "data": {"google.x": "x"}}, ValueError, "reserved"),
+            ({"token": "a", "android": {"data": {"ok": True}}}, TypeError, "android.data"),
+            ({"token": "a", "apns": {"headers": {1, 2}}}, TypeError, "serialisable"),
+        ]
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        for message, error, pattern in table:
+            with self.subTest(message=message):
+                with self.assertRaisesRegex(error, pattern):
+                    api.prepare(message, False)
+
+    def test_good_targets(self) -> None:
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        for message in ({"topic": "news-1_a.b~c%d"}, {"condition": "'a' in topics"},
+                        {"fid": "f"}, {"token": "t", "data": {"k": "v"}}):
+            api.prepare(message, False)
+
+
+class V1ErrorTest(V1TestCase):
+    def test_each_fcm_error_raises_its_class_and_is_processed_once(self) -> None:
+        table = [
+            (fcm_error(400, "INVALID_ARGUMENT"), andpush.InvalidArgumentError),
+            (fcm_error(404, "UNREGISTERED"), andpush.UnregisteredError),
+            (fcm_error(403, "SENDER_ID_MISMATCH"), andpush.SenderIdMismatchError),
+            (fcm_error(429, "QUOTA_EXCEEDED"), andpush.QuotaExceededError),
+            (fcm_error(503, "UNAVAILABLE"), andpush.UnavailableError),
+            (fcm_error(500, "INTERNAL"), andpush.InternalError),
+            (fcm_error(401, "THIRD_PARTY_AUTH_ERROR"), andpush.ThirdPartyAuthError),
+            (fcm_error(404, None), andpush.ClientError),
+        ]
+        client = self.v1_client()
+        client.push(V1_MESSAGE)  # the access token first
+        for reply, cls in table:
+            with self.subTest(cls.__name__):
+                self.server.inject(reply)
+                before = self.server.processed
+                with self.assertRaises(cls) as caught:
+                    client.push(V1_MESSAGE)
+                self.assertIs(type(caught.exception), cls)
+                self.assertEqual(self.server.processed, before + 1)
+
+    def test_a_rejected_token_is_refreshed_and_the_push_sent_once_more(self) -> None:
+        client = self.v1_client()
+        client.push(V1_MESSAGE)
+        self.server.revoke_tokens()
+        client.push(V1_MESSAGE)
+        self.assertEqual(len(self.server.issued), 2)
+        sends = [r for r in self.server.requests if r.path.endswith(":send")]
+        self.assertEqual(len(sends), 3)  # the rejected one, and the one that went through
+
+    def test_a_token_rejected_twice_raises(self) -> None:
+        client = self.v1_client()
+        client.push(V1_MESSAGE)
+        self.server.by_token[TOKEN] = [fcm_error(401, None), fcm_error(401, None)]
+        with self.assertRaises(andpush.ClientError) as caught:
+            client.push(V1_MESSAGE)
+        self.assertEqual(caught.exception.status_code, 401)
+
+
+class TokenTest(V1TestCase):
+    def test_the_token_is_cached(self) -> None:
+        client = self.v1_client()
+        for _ in range(5):
+            client.push(V1_MESSAGE)
+        self.assertEqual(len(self.server.issued), 1)
+
+    def test_a_token_near_expiry_is_refreshed_before_use(self) -> None:
+        self.server.token_lifetime = 200  # inside the refresh margin: stale at once
+        client = self.v1_client()
+        client.push(V1_MESSAGE)
+        client.push(V1_MESSAGE)
+        self.assertEqual(len(self.server.issued), 2)
+        self.assertEqual(self.server.processed, 4)
+
+    def test_sixteen_threads_cause_one_token_request(self) -> None:
+        self.server.reply_delay = 0.05
+        client = self.v1_client(pool_size=16)
+        barrier = threading.Barrier(16)
+
+        def send() -> None:
+            barrier.wait()
+            client.push(V1_MESSAGE)
+
+        threads = [threading.Thread(target=send) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertEqual(len(self.server.issued), 1)
+        self.assertEqual(self.server.processed, 17)
+
+    def test_a_failed_token_request_is_shared_by_the_waiting_threads(self) -> None:
+        self.server.reply_delay = 0.05
+        self.server.inject(Reply(400, json={"error": "invalid_grant",
+                                             "error_description": "Invalid JWT Signature."}))
+        client = self.v1_client(pool_size=8)
+        errors: List[BaseException] = []
+        barrier = threading.Barrier(8)
+
+        def send() -> None:
+            barrier.wait()
+            try:
+                client.push(V1_MESSAGE)
+            except andpush.AuthError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=send) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        # Every thread that was waiting for the failed request got its error; one that came
+        # later may have fetched a token of its own. Never one token request per thread.
+        token_requests = [r for r in self.server.requests if r.path == "/token"]
+        self.assertGreaterEqual(len(errors), 1)
+        self.assertEqual(len(token_requests), 1 + len(self.server.issued))
+        self.assertLessEqual(len(token_requests), 8 - len(errors) + 1)
+
+    def test_token_endpoint_errors_say_what_the_server_said(self) -> None:
+        self.server.inject(Reply(400, json={
+            "error": "invalid_grant",
+            "error_description": "Invalid JWT: Token must be a short-lived token (60 minutes)"
+                                 " and in a reasonable timeframe. Check your iat and exp values",
+        }))
+        with self.assertRaises(andpush.AuthError) as caught:
+            self.v1_client().push(V1_MESSAGE)
+        self.assertIn("invalid_grant", str(caught.exception))
+        self.assertIn("clock", str(caught.exception))
+        self.assertEqual(self.server.processed, 1)
+
+    def test_token_endpoint_5xx_is_retried_briefly(self) -> None:
+        self.server.inject(Reply(503, body=b""), Reply(500, body=b""))
+        self.v1_client().push(V1_MESSAGE)
+        self.assertEqual(len(self.server.issued), 1)
+        self.assertEqual(self.server.processed, 4)
+
+    def test_a_tampered_key_is_refused_by_the_server(self) -> None:
+        # The fake server checks the signature against the real public key.
+        wrong = TEST_OTHER_RSA_KEY_PEM
+        with self.assertRaisesRegex(andpush.AuthError, "Invalid JWT Signature"):
+            self.v1_client(credentials=service_account_info(self.server, wrong)).push(V1_MESSAGE)
+
+    def test_secrets_stay_out_of_repr_and_logs(self) -> None:
+        with self.assertLogs("andpush", "DEBUG") as logs:
+            client = self.v1_client()
+            client.push(V1_MESSAGE)
+            text = " ".join([repr(client), repr(client._api._tokens.credentials)] + logs.output)
+        key_body = TEST_RSA_KEY_PKCS8_PEM.splitlines()[1]
+        for secret in [self.server.issued[0], key_body, TOKEN]:
+            self.assertNotIn(secret, text)
+
+
+class BrokenCredentialsTest(unittest.TestCase):
+    def test_each_broken_key_file_gives_a_clear_auth_error(self) -> None:
+        with FakeGoogle() as server:
+            good = service_account_info(server)
+        table: List[Tuple[Any, str]] = [
+            ("/no/such/key.json", "cannot read credentials file"),
+            ("{not json", "not JSON"),
+            ("[1, 2]", "not a JSON object"),
+            ({"type": "external_account"}, "not supported"),
+            (dict(good, client_email=""), "client_email"),
+            (dict(good, private_key="-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----"),
+             "private_key"),
+            (dict(good, private_key=TEST_SERVER_KEY_PEM), "EC key"),
+            (dict(good, private_key="not a key"), "not a PEM"),
+        ]
+        for credentials, fragment in table:
+            with self.subTest(fragment):
+                with self.assertRaisesRegex(andpush.AuthError, fragment) as caught:
+                    andpush.new(credentials=credentials)
+                self.assertNotIn("MII", str(caught.exception))
+
+
+class ApplicationDefaultCredentialsTest(unittest.TestCase):
+    def setUp(self) -> None:
+        self.google = FakeGoogle().start()
+        self.addCleanup(self.google.close)
+        self.metadata = FakeGoogle(tls=False).start()
+        self.addCleanup(self.metadata.close)
+        self.home = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.home)
+        keys = ("GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GOOGLE_CLOUD_PROJECT",
+                "GCLOUD_PROJECT", "GCE_METADATA_HOST", "HOME", "APPDATA")
+        context = environment(**{key: "" for key in keys})
+        context.__enter__()
+        self.addCleanup(context.__exit__, None, None, None)
+        os.environ["HOME"] = self.home
+        os.environ["GCE_METADATA_HOST"] = "127.0.0.1:%d" % self.metadata.port
+
+    def client(self, **options: Any) -> andpush.Client:
+        client = andpush.new(endpoint=self.google.endpoint, ssl_context=client_context(),
+                             max_retries=0, **options)
+        self.addCleanup(client.close)
+        return client
+
+    def write(self, path: str, info: Dict[str, Any]) -> str:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as file:
+            json.dump(info, file)
+        return path
+
+    def test_google_application_credentials_comes_first(self) -> None:
+        os.environ["GOOGLE_APPLICATION_CREDENTIALS"] = self.write(
+            os.path.join(self.home, "key.json"), service_account_info(self.google))
+        self.write(os.path.join(self.home, ".config", "gcloud",
+                                "application_default_credentials.json"), {"type": "nonsense"})
+        self.client().push(V1_MESSAGE)
+        self.assertEqual(self.google.requests[-1].path,
+                         "/v1/projects/%s/messages:send" % TEST_PROJECT)
+        self.assertEqual(self.metadata.processed, 0)
+
+    def test_then_gclouds_authorized_user_file(self) -> None:
+        self.write(os.path.join(self.home, ".config", "gcloud",
+                                "application_default_credentials.json"), {
+            "type": "authorized_user", "client_id": "cid", "client_secret": "cs",
+            "refresh_token": self.google.refresh_token,
+            "token_uri": self.google.endpoint + "/token"})
+        os.environ["GOOGLE_CLOUD_PROJECT"] = "env-project"
+        self.client().push(V1_MESSAGE)
+        token_request = self.google.requests[0]
+        self.assertIn("grant_type=refresh_token", token_request.body.decode())
+        self.assertEqual(self.google.requests[-1].path, "/v1/projects/env-project/messages:send")
+
+    def test_cloudsdk_config_moves_gclouds_file(self) -> None:
+        config = os.path.join(self.home, "elsewhere")
+        os.environ["CLOUDSDK_CONFIG"] = config
+        self.write(os.path.join(config, "application_default_credentials.json"),
+                   service_account_info(self.google))
+        self.client().push(V1_MESSAGE)
+        self.assertEqual(self.metadata.processed, 0)
+
+    def test_then_the_metadata_server(self) -> None:
+        issued = self.metadata.issued
+        self.google.valid_tokens = self.metadata.valid_tokens  # the same Google behind both
+        self.client().push(V1_MESSAGE)
+        self.assertEqual(len(issued), 1)
+        self.assertEqual(self.metadata.requests[0].headers["metadata-flavor"], "Google")
+        self.assertEqual(self.google.requests[-1].path,
+                         "/v1/projects/metadata-project/messages:send")
+
+    def test_nothing_found_says_what_was_tried(self) -> None:
+        self.metadata.close()
+        with self.assertRaises(andpush.AuthError) as caught:
+            self.client(project_id="p").push(V1_MESSAGE)
+        message = str(caught.exception)
+        self.assertIn("GOOGLE_APPLICATION_CREDENTIALS", message)
+        self.assertIn("application_default_credentials.json", message)
+        self.assertIn("metadata server", message)
+        self.assertEqual(self.google.processed, 0)
+
+
+class TopicManagementTest(V1TestCase):
+    def test_subscribe_and_unsubscribe_one_outcome_per_token(self) -> None:
+        client = self.v1_client()
+        self.server.subscriptions.add(("b", "news"))
+        outcomes = client.subscribe(["a", "b", "c"], "news")
+        self.assertEqual([o.status_code for o in outcomes], [200, 409, 200])  # type: ignore
+        self.assertEqual(self.server.subscriptions, {("a", "news"), ("b", "news"), ("c", "news")})
+        outcomes = client.unsubscribe(["a", "c"], "news")
+        self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
+        self.assertEqual(self.server.subscriptions, {("b", "news")})
+
+    def test_failures_come_back_in_place(self) -> None:
+        client = self.v1_client()
+        client.push(V1_MESSAGE)
+        self.server.inject(fcm_error(400, "INVALID_ARGUMENT"))
+        outcomes = client.subscribe(["bad"], "news")
+        self.assertIsInstance(outcomes[0], andpush.InvalidArgumentError)
+
+    def test_bad_arguments(self) -> None:
+        client = self.v1_client()
+        with self.assertRaisesRegex(TypeError, "list of str"):
+            client.subscribe("a", "news")
+        with self.assertRaisesRegex(ValueError, "topic"):
+            client.subscribe(["a"], "/topics/news")
+        with self.assertRaisesRegex(ValueError, "v1"):
+            self.client().subscribe(["a"], "news")
+
+
+# Bulk sending: push_many, retries, pacing ###################################################
+
+class FakeClock:
+    """A clock that moves only when a client sleeps on it, recording each sleep."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: List[float] = []
+        self._lock = threading.Lock()
+
+    def time(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self.sleeps.append(seconds)
+            self.now += seconds
+
+    @classmethod
+    def install(cls, client: andpush.Client) -> "FakeClock":
+        clock = cls()
+        client._clock = clock.time
+        client._sleep = clock.sleep
+        return clock
+
+
+class CountingMessages:
+    """A generator-like input that counts how many messages were taken from it."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.taken = 0
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        for i in range(self.count):
+            self.taken += 1
+            yield {"token": "t%d" % i}
+
+
+def tokens_sent(server: FakeFCM) -> List[str]:
+    """The device token of each send the server processed, in order."""
+    return [r.json["message"]["token"] for r in server.requests if r.path.endswith(":send")]
+
+
+class PushManyTest(V1TestCase):
+    KINDS: Dict[str, Tuple[List[Any], Any, int]] = {
+        # kind: (server actions for its token, expected outcome class, times processed)
+        "ok": ([], andpush.Response, 1),
+        "unregistered": ([fcm_error(404, "UNREGISTERED")], andpush.UnregisteredError, 1),
+        "invalid": ([fcm_error(400, "INVALID_ARGUMENT")], andpush.InvalidArgumentError, 1),
+        "flaky": ([fcm_error(503, "UNAVAILABLE")], andpush.Response, 2),
+        "down": ([fcm_error(503, "UNAVAILABLE")] * 3, andpush.UnavailableError, 3),
+        "lost": ([RESET_AFTER_READ], andpush.NetworkError, 1),  # reset after processing
+    }
+
+    def test_one_outcome_per_message_in_input_order_under_faults(self) -> None:
+        messages: List[Dict[str, Any]] = []
+        expected = []
+        for i in range(60):
+            kind = list(self.KINDS)[i % len(self.KINDS)]
+            token = "%s-%d" % (kind, i)
+            actions, cls, times = self.KINDS[kind]
+            self.server.by_token[token] = list(actions)
+            messages.append({"token": token})
+            expected.append((token, cls, times))
+        messages.insert(7, {"token": "bad", "data": {"n": 1}})
+        expected.insert(7, ("bad", TypeError, 0))
+        # A new connection for every request, so that a reset is not taken for a server
+        # that closed the connection before reading (that one is sent again, see above).
+        client = self.v1_client(max_retries=2, backoff_factor=0.001, keep_alive_timeout=0)
+        outcomes = list(client.push_many(messages, concurrency=8))
+        self.assertEqual(len(outcomes), len(messages))
+        sent = tokens_sent(self.server)
+        for outcome, (token, cls, times) in zip(outcomes, expected):
+            with self.subTest(token):
+                self.assertIsInstance(outcome, cls)
+                self.assertEqual(sent.count(token), times)
+                if isinstance(outcome, andpush.NetworkError):
+                    self.assertTrue(outcome.may_have_been_delivered)
+
+    def test_works_on_the_legacy_api_too(self) -> None:
+        client = self.client()
+        outcomes = list(client.push_many([{"to": "t%d" % i} for i in range(30)], concurrency=5))
+        self.assertEqual([o.status_code for o in outcomes], [200] * 30)  # type: ignore
+        self.assertEqual(self.server.processed, 30)
+
+    def test_generator_input_is_read_lazily_and_the_window_is_bounded(self) -> None:
+        messages = CountingMessages(1000)
+        outcomes = self.v1_client().push_many(messages, concurrency=4)
+        self.assertIsInstance(next(outcomes), andpush.Response)
+        time.sleep(0.3)  # a slow consumer: the workers must stop a window ahead
+        window = 4 * andpush._WINDOW_PER_WORKER
+        self.assertLessEqual(messages.taken, 1 + window)
+        self.assertEqual(len(list(outcomes)), 999)
+        self.assertEqual(messages.taken, 1000)
+
+    def test_closing_the_iterator_stops_sending(self) -> None:
+        messages = CountingMessages(1000)
+        outcomes = self.v1_client().push_many(messages, concurrency=4)
+        next(outcomes)
+        outcomes.close()  # type: ignore[attr-defined]
+        time.sleep(0.2)
+        processed = self.server.processed
+        time.sleep(0.2)
+        self.assertEqual(self.server.processed, processed)
+        self.assertLess(messages.taken, 100)
+        with self.assertRaises(StopIteration):
+            next(outcomes)
+
+    def test_dropping_the_iterator_stops_sending(self) -> None:
+        messages = CountingMessages(1000)
+        outcomes = self.v1_client().push_many(messages, concurrency=4)
+        next(outcomes)
+        del outcomes
+        time.sleep(0.3)
+        self.assertLess(messages.taken, 100)
+
+    def test_progress_counts_done_and_failed(self) -> None:
+        self.server.by_token["gone"] = [fcm_error(404, "UNREGISTERED")]
+        seen: List[Tuple[int, int]] = []
+        lock = threading.Lock()
+
+        def progress(done: int, failed: int) -> None:
+            with lock:
+                seen.append((done, failed))
+
+        messages = [{"token": "a"}, {"token": "gone"}, {"token": "b"}]
+        list(self.v1_client().push_many(messages, concurrency=2, progress=progress))
+        self.assertEqual(sorted(seen)[-1], (3, 1))
+        self.assertEqual(len(seen), 3)
+
+    def test_a_failing_input_generator_raises_after_the_outcomes_before_it(self) -> None:
+        def messages() -> Iterator[Dict[str, Any]]:
+            yield {"token": "a"}
+            raise RuntimeError("the database went away")
+
+        outcomes = self.v1_client().push_many(messages(), concurrency=2)
+        self.assertIsInstance(next(outcomes), andpush.Response)
+        with self.assertRaisesRegex(RuntimeError, "database"):
+            next(outcomes)
+
+    def test_bad_concurrency(self) -> None:
+        with self.assertRaisesRegex(ValueError, "concurrency"):
+            self.v1_client().push_many([], concurrency=0)
+
+
+class RetryTest(V1TestCase):
+    def test_retry_after_in_seconds_and_as_a_date_is_honoured(self) -> None:
+        later = email.utils.formatdate(time.time() + 30, usegmt=True)
+        self.server.by_token[TOKEN] = [fcm_error(503, "UNAVAILABLE", Retry_After="20"),
+                                       fcm_error(503, "UNAVAILABLE", Retry_After=later)]
+        client = self.v1_client(max_retries=3, backoff_factor=0.001)
+        clock = FakeClock.install(client)
+        client.push(V1_MESSAGE)
+        self.assertEqual(len(clock.sleeps), 2)
+        self.assertEqual(clock.sleeps[0], 20.0)
+        self.assertAlmostEqual(clock.sleeps[1], 30, delta=2)
+        self.assertEqual(tokens_sent(self.server).count(TOKEN), 3)
+
+    def test_a_429_pauses_the_whole_client(self) -> None:
+        client = self.v1_client()
+        client.push({"token": "warm-up"})
+        self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"))
+        clock = FakeClock.install(client)
+        with self.assertRaises(andpush.QuotaExceededError):
+            client.push(V1_MESSAGE)  # not retried: max_retries=0
+        client.push({"token": "next"})  # a different message waits out the pause
+        self.assertEqual(clock.sleeps, [30.0])
+
+    def test_a_429_without_retry_after_waits_a_minute(self) -> None:
+        self.server.by_token[TOKEN] = [fcm_error(429, None)]
+        client = self.v1_client(max_retries=1, backoff_factor=0.001)
+        clock = FakeClock.install(client)
+        client.push(V1_MESSAGE)
+        self.assertEqual(clock.sleeps, [60.0])
+
+    def test_not_delivered_network_failures_are_retried(self) -> None:
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            port = unused.getsockname()[1]
+        client = andpush.new(SERVER_KEY, endpoint="https://127.0.0.1:%d" % port,
+                             max_retries=2, backoff_factor=0.001)
+        clock = FakeClock.install(client)
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(LEGACY_MESSAGE)
+        self.assertFalse(caught.exception.may_have_been_delivered)
+        self.assertEqual(len(clock.sleeps), 2)
+
+    def test_maybe_delivered_network_failures_are_not_retried(self) -> None:
+        self.server.by_token[TOKEN] = [RESET_AFTER_READ]
+        client = self.v1_client(max_retries=3, backoff_factor=0.001, keep_alive_timeout=0)
+        with self.assertRaises(andpush.NetworkError):
+            client.push(V1_MESSAGE)
+        self.assertEqual(tokens_sent(self.server).count(TOKEN), 1)
+
+    def test_rate_limit_spaces_the_sends(self) -> None:
+        client = self.v1_client(rate_limit=5)
+        clock = FakeClock.install(client)
+        for _ in range(10):
+            client.push(V1_MESSAGE)
+        # Ten sends at five a second take 1.8 s of the (fake) clock: never six in one second.
+        self.assertAlmostEqual(sum(clock.sleeps), 1.8, places=6)
+        self.assertEqual(len(clock.sleeps), 9)
+
+
+if __name__ == "__main__":
+    unittest.main()
