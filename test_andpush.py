@@ -1570,17 +1570,24 @@ class ConnectProxy:
         self.targets: List[str] = []
         self.authorizations: List[str] = []
         self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.05)
         self.port = self._listener.getsockname()[1]
         self._threads: List[threading.Thread] = []
+        self._sockets: List[socket.socket] = []
+        self._stopping = threading.Event()
 
     def __enter__(self) -> "ConnectProxy":
         self._spawn(self._accept)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._listener.close()
+        self._stopping.set()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(5)
+        self._listener.close()
 
     def _spawn(self, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True)
@@ -1588,11 +1595,13 @@ class ConnectProxy:
         thread.start()
 
     def _accept(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return
+            except socket.timeout:
+                continue
+            conn.settimeout(None)
+            self._sockets.append(conn)
             self._spawn(self._tunnel, conn)
 
     def _tunnel(self, conn: socket.socket) -> None:
@@ -1613,6 +1622,7 @@ class ConnectProxy:
                 return
             host, port = lines[0].split()[1].rsplit(":", 1)
             with socket.create_connection((host, int(port))) as upstream:
+                self._sockets.append(upstream)
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 self._spawn(self._pipe, upstream, conn)
                 self._pipe(conn, upstream)
@@ -2152,6 +2162,7 @@ class V1ErrorTest(V1TestCase):
         ]
         client = self.v1_client()
         client.push(V1_MESSAGE)  # the access token first
+        FakeClock.install(client)  # the 429 pauses the client for a minute
         for reply, cls in table:
             with self.subTest(cls.__name__):
                 self.server.inject(reply)
