@@ -2,18 +2,20 @@
 
 One module, standard library only, Python 3.8+. Pushes go over kept-alive HTTPS
 connections from a thread-safe, fork-safe pool, so one TLS handshake serves any
-number of messages. Usage::
+number of messages; the OAuth2 tokens of the HTTP v1 API are signed in pure Python::
 
     import andpush
 
-    with andpush.new(server_key) as client:
+    with andpush.new(credentials="service-account.json") as client:
         response = client.push({
-            "to": device_token,
+            "token": device_token,
             "notification": {"title": "Update", "body": "Ready"},
-            "data": {"extra": "data"},
         })
-        print(response.status_code, response.json["success"])
-        print(response.errors)            # {token: "NotRegistered", ...}
+        print(response.json["name"])
+        for outcome in client.push_many(messages, concurrency=100):
+            ...                           # a Response, or the error for that message
+
+``andpush.new(server_key)`` makes a client of the legacy API instead.
 
 The life of a pooled connection (each edge is what moves it)::
 
@@ -30,6 +32,7 @@ Errors form one tree; each says whose fault it is::
 
     Error
      +-- NetworkError      no answer: may_have_been_delivered says if it may have arrived
+     +-- AuthError         no credentials, or no access token could be had
      +-- HTTPError         the server answered with a non-2xx status
           +-- ClientError  4xx: InvalidArgumentError, UnregisteredError, ...
           +-- ServerError  5xx: InternalError, UnavailableError
@@ -59,7 +62,7 @@ from typing import (
 __version__ = "0.1.0"
 __all__ = [
     "new", "build", "Client", "Response", "Headers",
-    "Error", "NetworkError", "HTTPError", "ClientError", "ServerError",
+    "Error", "NetworkError", "AuthError", "HTTPError", "ClientError", "ServerError",
     "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
     "QuotaExceededError", "ThirdPartyAuthError", "InternalError", "UnavailableError",
 ]
@@ -1997,9 +2000,10 @@ def _check_server_key(server_key: object) -> str:
 def _check_number(
     name: str, value: object, minimum: float, integer: bool = False, exclusive: bool = False
 ) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum or (
-        exclusive and value == minimum
+    if (
+        isinstance(value, bool) or not isinstance(value, (int, float))
+        or (integer and not isinstance(value, int))
+        or value < minimum or (exclusive and value == minimum)
     ):
         raise ValueError("%s must be %s %s %s, got %r" % (
             name, "an int" if integer else "a number", ">" if exclusive else ">=", minimum, value,

@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import email.utils
 import hashlib
+import io
 import json
 import os
 import pathlib
@@ -26,6 +27,7 @@ import textwrap
 import threading
 import time
 import traceback
+import types
 import unittest
 import unittest.mock
 import urllib.parse
@@ -2614,6 +2616,51 @@ class RetryTest(V1TestCase):
         # Ten sends at five a second take 1.8 s of the (fake) clock: never six in one second.
         self.assertAlmostEqual(sum(clock.sleeps), 1.8, places=6)
         self.assertEqual(len(clock.sleeps), 9)
+
+
+# The README ##################################################################################
+
+class ReadmeExamplesTest(unittest.TestCase):
+    """Every Python example in README.md runs, in order, against the fake server."""
+
+    def test_every_python_example_runs(self) -> None:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
+            examples = re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
+        self.assertGreater(len(examples), 5)
+        with FakeGoogle() as server, tempfile.TemporaryDirectory() as directory:
+            server.valid_tokens.add("test-token")
+            with open(os.path.join(directory, "service-account.json"), "w") as file:
+                json.dump(service_account_info(server), file)
+            ca_file = os.path.join(directory, "ca.pem")
+            with open(ca_file, "w") as file:
+                file.write(TEST_CA_PEM)
+            real_new = andpush.new
+
+            def new(*args: Any, **options: Any) -> andpush.Client:
+                options.setdefault("endpoint", server.endpoint)
+                options.setdefault("ssl_context", client_context())
+                return real_new(*args, **options)
+
+            forgotten: List[str] = []
+            namespace: Dict[str, Any] = {
+                "device_token": TOKEN, "other_token": "other-token", "server_key": SERVER_KEY,
+                "all_tokens": ["t1", "t2", "t3"], "forget": forgotten.append,
+                "app": types.SimpleNamespace(task=lambda function: function),
+                "local_server_url": server.endpoint, "local_ca_file": ca_file,
+            }
+            cwd = os.getcwd()
+            os.chdir(directory)
+            try:
+                with unittest.mock.patch.object(andpush, "new", new), \
+                        contextlib.redirect_stdout(io.StringIO()):
+                    for number, example in enumerate(examples, 1):
+                        with self.subTest(example=number):
+                            exec(compile(example, "README example %d" % number, "exec"), namespace)
+                    namespace["notify"](TOKEN, "Hello")
+            finally:
+                os.chdir(cwd)
+            self.assertEqual(server.errors, [])
+            self.assertGreater(server.processed, 10)
 
 
 if __name__ == "__main__":
