@@ -970,8 +970,6 @@ class _ProtocolError(Exception):
     """The server's answer broke HTTP/1.1, or exceeded a limit."""
 
 
-
-
 def _split_url(url: str, what: str) -> Tuple[str, str]:
     """The origin (``scheme://host:port``) and the path of an http(s) URL."""
     parts = urllib.parse.urlsplit(url)
@@ -1234,12 +1232,10 @@ class _Pool:
         connect: Callable[[], _Connection],
         size: int,
         keep_alive_timeout: float,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._connect = connect
         self._size = size
         self._keep_alive_timeout = keep_alive_timeout
-        self._clock = clock
         self._reset()
 
     def _reset(self) -> None:
@@ -1256,7 +1252,7 @@ class _Pool:
             connection = self._acquire(reuse=True)
             if connection is None:
                 return self._open_in_slot()
-            if self._clock() - connection.idle_since < self._keep_alive_timeout and (
+            if time.monotonic() - connection.idle_since < self._keep_alive_timeout and (
                 connection.is_alive()
             ):
                 connection.reused = True
@@ -1311,7 +1307,7 @@ class _Pool:
 
     def put(self, connection: _Connection) -> None:
         """Take back a connection that finished a response and may be reused."""
-        connection.idle_since = self._clock()
+        connection.idle_since = time.monotonic()
         with self._condition:
             if not self._closed and connection.pid == self._pid and self._open <= self._size:
                 self._idle.append(connection)
