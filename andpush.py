@@ -1036,10 +1036,11 @@ def _proxy_from_environment(host: str) -> Optional[str]:
 class _Connection:
     """One kept-alive HTTP/1.1 connection: a request in one write, a response parsed by hand."""
 
-    __slots__ = ("_sock", "_buffer", "_poll", "pid", "idle_since", "reused")
+    __slots__ = ("_sock", "_host", "_buffer", "_poll", "pid", "idle_since", "reused")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, origin: "_Origin") -> None:
         self._sock = sock
+        self._host = origin.host_header
         self._buffer = bytearray()
         self._poll = select.poll() if hasattr(select, "poll") else None  # not on Windows
         if self._poll is not None:
@@ -1048,7 +1049,8 @@ class _Connection:
         self.idle_since = 0.0
         self.reused = False
 
-    def exchange(self, request: bytes) -> Tuple[Response, bool]:
+    def exchange(self, method: str, path: str, headers: Dict[str, str],
+                 body: bytes) -> Tuple[Response, bool]:
         """Send one request and read its response; also say whether the connection stays open.
 
         Raises _NoAnswer when the request could not be written or the connection was
@@ -1056,7 +1058,7 @@ class _Connection:
         and _ProtocolError for a malformed answer.
         """
         try:
-            self._sock.sendall(request)
+            self._sock.sendall(self._encode(method, path, headers, body))
         except OSError as exc:
             raise _NoAnswer(exc, sent=False) from exc
         try:
@@ -1064,6 +1066,16 @@ class _Connection:
         except _CLOSED_BEFORE_ANSWER as exc:
             raise _NoAnswer(exc, sent=True) from exc
         return self._read_response()
+
+    def _encode(self, method: str, path: str, headers: Dict[str, str], body: bytes) -> bytes:
+        lines = [
+            "%s %s HTTP/1.1" % (method, path),
+            "Host: " + self._host,
+            "User-Agent: " + _USER_AGENT,
+            "Content-Length: %d" % len(body),
+        ]
+        lines.extend("%s: %s" % item for item in headers.items())
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
     def is_alive(self) -> bool:
         """Tell, without blocking, whether the server closed this idle connection.
@@ -1361,17 +1373,19 @@ class _Transport:
         closed that connection and did not process the request. Every other failure
         raises NetworkError, saying whether the request may have been delivered.
         """
-        data = self._encode(method, path, headers, body)
+        request = method, path, headers, body
         try:
-            return self._exchange(self._pool.get(), data)
+            return self._exchange(self._pool.get(), request)
         except _StaleConnection:
             log.debug("reused connection closed by the server; sending again on a new one")
-            return self._exchange(self._pool.new(), data)
+            return self._exchange(self._pool.new(), request)
 
-    def _exchange(self, connection: _Connection, data: bytes) -> Response:
+    def _exchange(
+        self, connection: _Connection, request: Tuple[str, str, Dict[str, str], bytes]
+    ) -> Response:
         """One request on one connection, which goes back to the pool or is discarded."""
         try:
-            response, keep = connection.exchange(data)
+            response, keep = connection.exchange(*request)
         except BaseException as exc:
             self._pool.discard(connection)
             if isinstance(exc, _NoAnswer) and connection.reused:
@@ -1389,16 +1403,6 @@ class _Transport:
 
     def close(self) -> None:
         self._pool.close()
-
-    def _encode(self, method: str, path: str, headers: Dict[str, str], body: bytes) -> bytes:
-        lines = [
-            "%s %s HTTP/1.1" % (method, path),
-            "Host: " + self.origin.host_header,
-            "User-Agent: " + _USER_AGENT,
-            "Content-Length: %d" % len(body),
-        ]
-        lines.extend("%s: %s" % item for item in headers.items())
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
     def _connect(self) -> _Connection:
         """Open a connection (through the proxy, if any); NetworkError when that fails."""
@@ -1429,7 +1433,7 @@ class _Transport:
         conn.sock = None
         sock.settimeout(self._read_timeout)
         log.debug("connected to %r", origin)
-        return _Connection(sock)
+        return _Connection(sock, origin)
 
 
 class _Connector:
@@ -1694,7 +1698,7 @@ class Client:
         """
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError("concurrency must be a positive int, got %r" % (concurrency,))
-        return _Outcomes(self._outcome, messages, concurrency, self._transport, progress)
+        return self._map(self._outcome, messages, concurrency, progress)
 
     def subscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
         """Subscribe each token to ``topic``; one outcome per token, in order."""
@@ -1731,27 +1735,39 @@ class Client:
                 error: Error = _http_error(response)
             except NetworkError as exc:
                 error = exc
-            if isinstance(error, QuotaExceededError):
-                self._pause(_quota_wait(error))
-            step = retry.after(error)
+            step = self._after_failure(retry, error, token)
             if step is None:
                 raise error
             retry, wait = step
-            log.info("retrying in %.2f s after: %s", wait, error)
-            if _is_rejected_token(error):
-                self._api.invalidate(token)
             if wait:
                 self._sleep(wait)
 
+    def _after_failure(
+        self, retry: _Retry, error: Error, token: str
+    ) -> Optional[Tuple[_Retry, float]]:
+        """Act on a failed attempt (pause on 429, forget a rejected token); say if to retry."""
+        if isinstance(error, QuotaExceededError):
+            self._pause(_quota_wait(error))
+        step = retry.after(error)
+        if step is not None:
+            log.info("retrying in %.2f s after: %s", step[1], error)
+            if _is_rejected_token(error):
+                self._api.invalidate(token)
+        return step
+
     def _pace(self) -> None:
         """Wait out a client-wide pause (after a 429), then for a slot under rate_limit."""
+        wait = self._reserve_send() - self._clock()
+        if wait > 0:
+            self._sleep(wait)
+
+    def _reserve_send(self) -> float:
+        """Claim the next moment a send may start (``_clock`` time), for rate_limit and 429."""
         with self._pace_lock:
-            now = self._clock()
-            start = max(now, self._paused_until, self._next_slot)
+            start = max(self._clock(), self._paused_until, self._next_slot)
             if self._interval:
                 self._next_slot = start + self._interval
-        if start > now:
-            self._sleep(start - now)
+        return start
 
     def _pause(self, seconds: float) -> None:
         """Hold every new send of this client for ``seconds``: the project is over quota."""
@@ -1791,63 +1807,66 @@ class Client:
             except Error as exc:
                 return exc
 
-        return list(_Outcomes(manage, tokens, min(len(tokens), DEFAULT_CONCURRENCY) or 1,
-                              self._transport, None))
+        return list(self._map(manage, tokens, min(len(tokens), DEFAULT_CONCURRENCY) or 1, None))
 
-
-class _Outcomes(Iterator[Outcome]):
-    """Outcomes of ``work`` over ``items``, done on worker threads, yielded in input order.
-
-    Workers read items lazily and run at most a window ahead of the consumer, so memory
-    stays bounded however many items there are. Closing or dropping the iterator stops
-    the workers before their next item.
-    """
-
-    def __init__(
+    def _map(
         self,
         work: Callable[[Any], Outcome],
         items: Iterable[Any],
-        workers: int,
-        transport: _Transport,
+        threads: int,
         progress: Optional[Callable[[int, int], None]],
-    ) -> None:
-        self._state = _Work(work, iter(items), workers * _WINDOW_PER_WORKER, progress)
-        self._transport = transport
-        transport.widen(workers)
-        self._workers = workers
-        for _ in range(workers):
-            threading.Thread(target=self._state.run, name="andpush-push_many", daemon=True).start()
+    ) -> "_Outcomes":
+        """``work`` over ``items`` on ``threads`` threads, each with a connection of its own."""
+        shared = _Work(items, threads * _WINDOW_PER_WORKER, progress)
+        self._transport.widen(threads)
+        for _ in range(threads):
+            threading.Thread(target=shared.run, args=(work,), name="andpush-push_many",
+                             daemon=True).start()
+        return _Outcomes(shared, lambda: self._transport.widen(-threads))
+
+
+class _Outcomes(Iterator[Outcome]):
+    """What push_many returns: the outcomes in input order, from whoever sends them.
+
+    Closing or dropping it stops the sending of what has not started.
+    """
+
+    def __init__(self, work: "_Work", on_close: Callable[[], None]) -> None:
+        self._work = work
+        self._on_close: Optional[Callable[[], None]] = on_close
 
     def __next__(self) -> Outcome:
         try:
-            return self._state.next_outcome()
+            return self._work.next_outcome()
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
         """Stop sending what has not started; outcomes not yet yielded are dropped."""
-        if self._workers:
-            self._state.stop()
-            self._transport.widen(-self._workers)
-            self._workers = 0
+        if self._on_close is not None:
+            self._work.stop()
+            self._on_close()
+            self._on_close = None
 
     def __del__(self) -> None:
         self.close()
 
 
 class _Work:
-    """What _Outcomes' workers share: the input, the outcomes waiting, and the counts."""
+    """The input of a push_many and its outcomes, shared by the senders and the consumer.
+
+    Senders take items lazily and at most ``window`` ahead of the consumer, so memory
+    stays bounded however many items there are.
+    """
 
     def __init__(
         self,
-        work: Callable[[Any], Outcome],
-        items: Iterator[Any],
+        items: Iterable[Any],
         window: int,
         progress: Optional[Callable[[int, int], None]],
     ) -> None:
-        self._work = work
-        self._items = items
+        self._items = iter(items)
         self._window = window
         self._progress = progress
         self._condition = threading.Condition()
@@ -1856,62 +1875,83 @@ class _Work:
         self._yielded = 0       # outcomes handed to the consumer
         self._done = 0
         self._failed = 0
-        self._exhausted = False
-        self._stopped = False
-        self._input_error: Optional[BaseException] = None
+        self.exhausted = False
+        self.stopped = False
+        self._error: Optional[BaseException] = None
+        self.wake: Callable[[], None] = lambda: None  # a sender's "the window moved"
 
-    def run(self) -> None:
-        """A worker: take the next item while the window allows, work it, store the outcome."""
+    def run(self, work: Callable[[Any], Outcome]) -> None:
+        """A sending thread: work items, one at a time, until there are none."""
         while True:
-            with self._condition:
-                while not self._stopped and self._read - self._yielded >= self._window:
-                    self._condition.wait()
-                if self._stopped or self._exhausted:
-                    return
-                try:
-                    item = next(self._items)
-                except StopIteration:
-                    self._exhausted = True
-                    self._condition.notify_all()
-                    return
-                except BaseException as exc:  # the caller's generator failed: hand it over
-                    self._exhausted, self._input_error = True, exc
-                    self._condition.notify_all()
-                    return
-                index = self._read
-                self._read += 1
-            outcome = self._work(item)
-            with self._condition:
-                self._outcomes[index] = outcome
-                self._done += 1
-                self._failed += isinstance(outcome, Exception)
-                counts = self._done, self._failed
+            taken = self.take(block=True)
+            if taken is None:
+                return
+            self.store(taken[0], work(taken[1]))
+
+    def take(self, block: bool) -> Optional[Tuple[int, Any]]:
+        """The next item and its index; None when there are no more (or, not blocking,
+        while the window is full)."""
+        with self._condition:
+            while not self.stopped and self._read - self._yielded >= self._window:
+                if not block:
+                    return None
+                self._condition.wait()
+            if self.stopped or self.exhausted:
+                return None
+            try:
+                item = next(self._items)
+            except StopIteration:
+                self.exhausted = True
                 self._condition.notify_all()
-            if self._progress is not None:
-                self._progress(*counts)
+                return None
+            except BaseException as exc:  # the caller's generator failed: hand it over
+                self.exhausted, self._error = True, exc
+                self._condition.notify_all()
+                return None
+            self._read += 1
+            return self._read - 1, item
+
+    def store(self, index: int, outcome: Outcome) -> None:
+        with self._condition:
+            self._outcomes[index] = outcome
+            self._done += 1
+            self._failed += isinstance(outcome, Exception)
+            counts = self._done, self._failed
+            self._condition.notify_all()
+        if self._progress is not None:
+            self._progress(*counts)
+
+    def crash(self, error: BaseException) -> None:
+        """A sender died: the consumer gets ``error`` instead of the outcomes still due."""
+        with self._condition:
+            self._error, self.exhausted, self._read = error, True, self._yielded
+            self._outcomes.clear()
+            self._condition.notify_all()
 
     def next_outcome(self) -> Outcome:
         with self._condition:
-            if self._stopped:
-                raise StopIteration
             while self._yielded not in self._outcomes:
-                if self._stopped:
+                if self.stopped:
                     raise StopIteration
-                if self._exhausted and self._yielded == self._read:
-                    if self._input_error is not None:
-                        error, self._input_error = self._input_error, None
+                if self.exhausted and self._yielded == self._read:
+                    if self._error is not None:
+                        error, self._error = self._error, None
                         raise error
                     raise StopIteration
                 self._condition.wait()
+            if self.stopped:
+                raise StopIteration
             outcome = self._outcomes.pop(self._yielded)
             self._yielded += 1
             self._condition.notify_all()
-            return outcome
+        self.wake()
+        return outcome
 
     def stop(self) -> None:
         with self._condition:
-            self._stopped = True
+            self.stopped = True
             self._condition.notify_all()
+        self.wake()
 
 
 def new(
