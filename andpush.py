@@ -40,7 +40,10 @@ Errors form one tree; each says whose fault it is::
 
 import base64
 import binascii
+import collections
+import contextlib
 import email.utils
+import heapq
 import hashlib
 import http.client
 import json
@@ -50,13 +53,14 @@ import os
 import random
 import re
 import select
+import selectors
 import socket
 import ssl
 import threading
 import time
 import urllib.parse
 from typing import (
-    Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Type, Union,
+    Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Type, Union,
 )
 
 __version__ = "0.1.0"
@@ -1241,7 +1245,7 @@ class _Pool:
 
     def __init__(
         self,
-        connect: Callable[[], _Connection],
+        connect: Callable[[], "_AnyConnection"],
         size: int,
         keep_alive_timeout: float,
     ) -> None:
@@ -1254,11 +1258,11 @@ class _Pool:
         """Start empty: at creation, and in a child process that inherited the pool."""
         self._pid = os.getpid()
         self._condition = threading.Condition(threading.Lock())
-        self._idle: List[_Connection] = []
+        self._idle: List["_AnyConnection"] = []
         self._open = 0
         self._closed = False
 
-    def get(self) -> _Connection:
+    def get(self) -> "_AnyConnection":
         """The most recently used live idle connection, else a new one."""
         while True:
             connection = self._acquire(reuse=True)
@@ -1272,12 +1276,12 @@ class _Pool:
             log.debug("replacing a connection that was idle too long or closed by the server")
             self.discard(connection)
 
-    def new(self) -> _Connection:
+    def new(self) -> "_AnyConnection":
         """A new connection, never a reused one."""
         self._acquire(reuse=False)
         return self._open_in_slot()
 
-    def _acquire(self, reuse: bool) -> Optional[_Connection]:
+    def _acquire(self, reuse: bool) -> Optional["_AnyConnection"]:
         """Wait for an idle connection (when ``reuse``) or a free slot, whichever comes.
 
         Returns the idle connection, or None after counting a new one as open.
@@ -1300,7 +1304,7 @@ class _Pool:
                     continue
                 self._condition.wait()
 
-    def _open_in_slot(self) -> _Connection:
+    def _open_in_slot(self) -> "_AnyConnection":
         try:
             return self._connect()
         except BaseException:
@@ -1317,7 +1321,7 @@ class _Pool:
         for connection in surplus:
             self.discard(connection)
 
-    def put(self, connection: _Connection) -> None:
+    def put(self, connection: "_AnyConnection") -> None:
         """Take back a connection that finished a response and may be reused."""
         connection.idle_since = time.monotonic()
         with self._condition:
@@ -1327,7 +1331,7 @@ class _Pool:
                 return
         self.discard(connection)
 
-    def discard(self, connection: _Connection) -> None:
+    def discard(self, connection: "_AnyConnection") -> None:
         """Close a connection and free its slot."""
         connection.close()
         self._release()
@@ -1364,6 +1368,7 @@ class _Transport:
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._pool = _Pool(self._connect, pool_size, keep_alive_timeout)
+        self._speaks_h2: Optional[bool] = None
 
     def request(self, method: str, path: str, headers: Dict[str, str], body: bytes) -> Response:
         """Send one request and return its response, whatever the status.
@@ -1381,7 +1386,7 @@ class _Transport:
             return self._exchange(self._pool.new(), request)
 
     def _exchange(
-        self, connection: _Connection, request: Tuple[str, str, Dict[str, str], bytes]
+        self, connection: "_AnyConnection", request: Tuple[str, str, Dict[str, str], bytes]
     ) -> Response:
         """One request on one connection, which goes back to the pool or is discarded."""
         try:
@@ -1404,8 +1409,23 @@ class _Transport:
     def close(self) -> None:
         self._pool.close()
 
-    def _connect(self) -> _Connection:
-        """Open a connection (through the proxy, if any); NetworkError when that fails."""
+    def connect_h2(self) -> Optional["_H2Connection"]:
+        """A new HTTP/2 connection of its own for the caller, or None if the server
+        does not speak HTTP/2 (remembered, so that it is asked once)."""
+        if self._speaks_h2 is False:
+            return None
+        connection = self._connect()
+        self._speaks_h2 = isinstance(connection, _H2Connection)
+        if isinstance(connection, _H2Connection):
+            return connection
+        connection.close()
+        return None
+
+    def _connect(self) -> "_AnyConnection":
+        """Open a connection (through the proxy, if any); NetworkError when that fails.
+
+        It speaks HTTP/2 when the server picks h2 by ALPN, else HTTP/1.1.
+        """
         origin = self.origin
         conn: http.client.HTTPConnection
         if origin.proxy:
@@ -1432,6 +1452,9 @@ class _Transport:
         sock = conn.sock
         conn.sock = None
         sock.settimeout(self._read_timeout)
+        if isinstance(sock, ssl.SSLSocket) and sock.selected_alpn_protocol() == "h2":
+            log.debug("connected to %r with HTTP/2", origin)
+            return _H2Connection(sock, origin, self._read_timeout)
         log.debug("connected to %r", origin)
         return _Connection(sock, origin)
 
@@ -1441,13 +1464,13 @@ class _Connector:
 
     def __init__(
         self,
-        ssl_context: Optional[ssl.SSLContext],
+        ssl_context: ssl.SSLContext,
         connect_timeout: float,
         read_timeout: float,
         keep_alive_timeout: float,
         proxy: Optional[str],
     ) -> None:
-        self._ssl_context = ssl_context or ssl.create_default_context()
+        self._ssl_context = ssl_context
         self._timeouts = connect_timeout, read_timeout
         self._keep_alive_timeout = keep_alive_timeout
         self._proxy = proxy
@@ -1483,6 +1506,780 @@ def _network_error(exc: BaseException, origin: _Origin) -> BaseException:
 
 def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
+
+
+# HPACK #######################################################################
+# Header compression for HTTP/2 (RFC 7541): decode the server's, encode ours without state.
+
+_HPACK_STATIC_TABLE: Tuple[Tuple[str, str], ...] = (      # RFC 7541 Appendix A, from index 1
+    (":authority", ""), (":method", "GET"), (":method", "POST"), (":path", "/"),
+    (":path", "/index.html"), (":scheme", "http"), (":scheme", "https"), (":status", "200"),
+    (":status", "204"), (":status", "206"), (":status", "304"), (":status", "400"),
+    (":status", "404"), (":status", "500"), ("accept-charset", ""),
+    ("accept-encoding", "gzip, deflate"), ("accept-language", ""), ("accept-ranges", ""),
+    ("accept", ""), ("access-control-allow-origin", ""), ("age", ""), ("allow", ""),
+    ("authorization", ""), ("cache-control", ""), ("content-disposition", ""),
+    ("content-encoding", ""), ("content-language", ""), ("content-length", ""),
+    ("content-location", ""), ("content-range", ""), ("content-type", ""), ("cookie", ""),
+    ("date", ""), ("etag", ""), ("expect", ""), ("expires", ""), ("from", ""), ("host", ""),
+    ("if-match", ""), ("if-modified-since", ""), ("if-none-match", ""), ("if-range", ""),
+    ("if-unmodified-since", ""), ("last-modified", ""), ("link", ""), ("location", ""),
+    ("max-forwards", ""), ("proxy-authenticate", ""), ("proxy-authorization", ""),
+    ("range", ""), ("referer", ""), ("refresh", ""), ("retry-after", ""), ("server", ""),
+    ("set-cookie", ""), ("strict-transport-security", ""), ("transfer-encoding", ""),
+    ("user-agent", ""), ("vary", ""), ("via", ""), ("www-authenticate", ""),
+)
+_HPACK_STATIC_SIZE = len(_HPACK_STATIC_TABLE)
+# Lowest static index of each field, and of each name.
+_HPACK_STATIC_FIELDS = {field: i for i, field in enumerate(_HPACK_STATIC_TABLE, 1)}
+_HPACK_STATIC_NAMES = {
+    name: i for i, (name, _) in reversed(list(enumerate(_HPACK_STATIC_TABLE, 1)))
+}
+
+_HPACK_ENTRY_OVERHEAD = 32        # octets a dynamic table entry costs beyond name and value
+_HPACK_MAX_INT_OCTETS = 4         # continuation octets an integer may have: values to ~2**28
+_HPACK_CACHE_ENTRIES = 128        # decoded header blocks remembered per decoder
+_HPACK_CACHE_MAX_BLOCK = 1024     # octets of the largest header block worth remembering
+_HPACK_ENCODER_CACHE_ENTRIES = 256  # encoded header fields remembered
+
+# Huffman code (RFC 7541 Appendix B): (code, bit length) of octets 0 to 255, then of EOS.
+_HUFFMAN_CODE: Tuple[Tuple[int, int], ...] = (
+    (0x1ff8, 13), (0x7fffd8, 23), (0xfffffe2, 28), (0xfffffe3, 28),  # 0-3
+    (0xfffffe4, 28), (0xfffffe5, 28), (0xfffffe6, 28), (0xfffffe7, 28),  # 4-7
+    (0xfffffe8, 28), (0xffffea, 24), (0x3ffffffc, 30), (0xfffffe9, 28),  # 8-11
+    (0xfffffea, 28), (0x3ffffffd, 30), (0xfffffeb, 28), (0xfffffec, 28),  # 12-15
+    (0xfffffed, 28), (0xfffffee, 28), (0xfffffef, 28), (0xffffff0, 28),  # 16-19
+    (0xffffff1, 28), (0xffffff2, 28), (0x3ffffffe, 30), (0xffffff3, 28),  # 20-23
+    (0xffffff4, 28), (0xffffff5, 28), (0xffffff6, 28), (0xffffff7, 28),  # 24-27
+    (0xffffff8, 28), (0xffffff9, 28), (0xffffffa, 28), (0xffffffb, 28),  # 28-31
+    (0x14, 6), (0x3f8, 10), (0x3f9, 10), (0xffa, 12),  # 32-35
+    (0x1ff9, 13), (0x15, 6), (0xf8, 8), (0x7fa, 11),  # 36-39
+    (0x3fa, 10), (0x3fb, 10), (0xf9, 8), (0x7fb, 11),  # 40-43
+    (0xfa, 8), (0x16, 6), (0x17, 6), (0x18, 6),  # 44-47
+    (0x0, 5), (0x1, 5), (0x2, 5), (0x19, 6),  # 48-51
+    (0x1a, 6), (0x1b, 6), (0x1c, 6), (0x1d, 6),  # 52-55
+    (0x1e, 6), (0x1f, 6), (0x5c, 7), (0xfb, 8),  # 56-59
+    (0x7ffc, 15), (0x20, 6), (0xffb, 12), (0x3fc, 10),  # 60-63
+    (0x1ffa, 13), (0x21, 6), (0x5d, 7), (0x5e, 7),  # 64-67
+    (0x5f, 7), (0x60, 7), (0x61, 7), (0x62, 7),  # 68-71
+    (0x63, 7), (0x64, 7), (0x65, 7), (0x66, 7),  # 72-75
+    (0x67, 7), (0x68, 7), (0x69, 7), (0x6a, 7),  # 76-79
+    (0x6b, 7), (0x6c, 7), (0x6d, 7), (0x6e, 7),  # 80-83
+    (0x6f, 7), (0x70, 7), (0x71, 7), (0x72, 7),  # 84-87
+    (0xfc, 8), (0x73, 7), (0xfd, 8), (0x1ffb, 13),  # 88-91
+    (0x7fff0, 19), (0x1ffc, 13), (0x3ffc, 14), (0x22, 6),  # 92-95
+    (0x7ffd, 15), (0x3, 5), (0x23, 6), (0x4, 5),  # 96-99
+    (0x24, 6), (0x5, 5), (0x25, 6), (0x26, 6),  # 100-103
+    (0x27, 6), (0x6, 5), (0x74, 7), (0x75, 7),  # 104-107
+    (0x28, 6), (0x29, 6), (0x2a, 6), (0x7, 5),  # 108-111
+    (0x2b, 6), (0x76, 7), (0x2c, 6), (0x8, 5),  # 112-115
+    (0x9, 5), (0x2d, 6), (0x77, 7), (0x78, 7),  # 116-119
+    (0x79, 7), (0x7a, 7), (0x7b, 7), (0x7ffe, 15),  # 120-123
+    (0x7fc, 11), (0x3ffd, 14), (0x1ffd, 13), (0xffffffc, 28),  # 124-127
+    (0xfffe6, 20), (0x3fffd2, 22), (0xfffe7, 20), (0xfffe8, 20),  # 128-131
+    (0x3fffd3, 22), (0x3fffd4, 22), (0x3fffd5, 22), (0x7fffd9, 23),  # 132-135
+    (0x3fffd6, 22), (0x7fffda, 23), (0x7fffdb, 23), (0x7fffdc, 23),  # 136-139
+    (0x7fffdd, 23), (0x7fffde, 23), (0xffffeb, 24), (0x7fffdf, 23),  # 140-143
+    (0xffffec, 24), (0xffffed, 24), (0x3fffd7, 22), (0x7fffe0, 23),  # 144-147
+    (0xffffee, 24), (0x7fffe1, 23), (0x7fffe2, 23), (0x7fffe3, 23),  # 148-151
+    (0x7fffe4, 23), (0x1fffdc, 21), (0x3fffd8, 22), (0x7fffe5, 23),  # 152-155
+    (0x3fffd9, 22), (0x7fffe6, 23), (0x7fffe7, 23), (0xffffef, 24),  # 156-159
+    (0x3fffda, 22), (0x1fffdd, 21), (0xfffe9, 20), (0x3fffdb, 22),  # 160-163
+    (0x3fffdc, 22), (0x7fffe8, 23), (0x7fffe9, 23), (0x1fffde, 21),  # 164-167
+    (0x7fffea, 23), (0x3fffdd, 22), (0x3fffde, 22), (0xfffff0, 24),  # 168-171
+    (0x1fffdf, 21), (0x3fffdf, 22), (0x7fffeb, 23), (0x7fffec, 23),  # 172-175
+    (0x1fffe0, 21), (0x1fffe1, 21), (0x3fffe0, 22), (0x1fffe2, 21),  # 176-179
+    (0x7fffed, 23), (0x3fffe1, 22), (0x7fffee, 23), (0x7fffef, 23),  # 180-183
+    (0xfffea, 20), (0x3fffe2, 22), (0x3fffe3, 22), (0x3fffe4, 22),  # 184-187
+    (0x7ffff0, 23), (0x3fffe5, 22), (0x3fffe6, 22), (0x7ffff1, 23),  # 188-191
+    (0x3ffffe0, 26), (0x3ffffe1, 26), (0xfffeb, 20), (0x7fff1, 19),  # 192-195
+    (0x3fffe7, 22), (0x7ffff2, 23), (0x3fffe8, 22), (0x1ffffec, 25),  # 196-199
+    (0x3ffffe2, 26), (0x3ffffe3, 26), (0x3ffffe4, 26), (0x7ffffde, 27),  # 200-203
+    (0x7ffffdf, 27), (0x3ffffe5, 26), (0xfffff1, 24), (0x1ffffed, 25),  # 204-207
+    (0x7fff2, 19), (0x1fffe3, 21), (0x3ffffe6, 26), (0x7ffffe0, 27),  # 208-211
+    (0x7ffffe1, 27), (0x3ffffe7, 26), (0x7ffffe2, 27), (0xfffff2, 24),  # 212-215
+    (0x1fffe4, 21), (0x1fffe5, 21), (0x3ffffe8, 26), (0x3ffffe9, 26),  # 216-219
+    (0xffffffd, 28), (0x7ffffe3, 27), (0x7ffffe4, 27), (0x7ffffe5, 27),  # 220-223
+    (0xfffec, 20), (0xfffff3, 24), (0xfffed, 20), (0x1fffe6, 21),  # 224-227
+    (0x3fffe9, 22), (0x1fffe7, 21), (0x1fffe8, 21), (0x7ffff3, 23),  # 228-231
+    (0x3fffea, 22), (0x3fffeb, 22), (0x1ffffee, 25), (0x1ffffef, 25),  # 232-235
+    (0xfffff4, 24), (0xfffff5, 24), (0x3ffffea, 26), (0x7ffff4, 23),  # 236-239
+    (0x3ffffeb, 26), (0x7ffffe6, 27), (0x3ffffec, 26), (0x3ffffed, 26),  # 240-243
+    (0x7ffffe7, 27), (0x7ffffe8, 27), (0x7ffffe9, 27), (0x7ffffea, 27),  # 244-247
+    (0x7ffffeb, 27), (0xffffffe, 28), (0x7ffffec, 27), (0x7ffffed, 27),  # 248-251
+    (0x7ffffee, 27), (0x7ffffef, 27), (0x7fffff0, 27), (0x3ffffee, 26),  # 252-255
+    (0x3fffffff, 30),  # 256: EOS
+)
+_HUFFMAN_EOS = 256
+# Symbol of each code, keyed by its bits behind a leading 1 bit (so "01" and "1" differ).
+_HUFFMAN_SYMBOLS = {
+    1 << length | code: symbol for symbol, (code, length) in enumerate(_HUFFMAN_CODE)
+}
+_HUFFMAN_START = 1 << 8                     # no bits pending, shifted as in _HuffmanSteps
+# Where a string may end: 0 to 7 bits pending, all ones (the start of EOS), per RFC 7541 5.2.
+_HUFFMAN_ENDS = frozenset(((2 << bits) - 1) << 8 for bits in range(8))
+_HUFFMAN_MAX_STEPS = 16384        # steps remembered (of 65536): about 3 MB
+
+
+
+class _HPACKError(Exception):
+    """A header block broke HPACK: the server's fault, a COMPRESSION_ERROR for HTTP/2."""
+
+
+class _HuffmanSteps(Dict[int, Tuple[int, bytes]]):
+    """What one octet does to a Huffman decoder in each state, worked out on first need.
+
+    A state is the bits pending since the last whole code, behind a leading 1 bit, shifted
+    left 8 bits so that ``state | octet`` is the key; the value is the state after that
+    octet and the symbols it completed. Real headers need a few thousand steps at most.
+    """
+
+    def __missing__(self, key: int) -> Tuple[int, bytes]:
+        if len(self) >= _HUFFMAN_MAX_STEPS:
+            self.clear()
+        pending = key >> 8
+        symbols = bytearray()
+        for shift in range(7, -1, -1):
+            pending = pending << 1 | key >> shift & 1
+            symbol = _HUFFMAN_SYMBOLS.get(pending)
+            if symbol is not None:
+                if symbol == _HUFFMAN_EOS:
+                    raise _HPACKError("Huffman-coded string contains EOS")
+                symbols.append(symbol)
+                pending = 1
+        step = self[key] = (pending << 8, bytes(symbols))
+        return step
+
+
+_HUFFMAN_STEPS = _HuffmanSteps()
+
+
+def _huffman_decode(data: bytes) -> bytes:
+    """The octets a Huffman-coded string stands for; _HPACKError on EOS or bad padding."""
+    steps = _HUFFMAN_STEPS
+    state = _HUFFMAN_START
+    decoded = bytearray()
+    for octet in data:
+        state, symbols = steps[state | octet]
+        decoded += symbols
+    if state not in _HUFFMAN_ENDS:
+        raise _HPACKError("Huffman-coded string ends in padding that is not 0-7 one bits")
+    return bytes(decoded)
+
+
+def _hpack_decode_int(data: bytes, pos: int, prefix_bits: int) -> Tuple[int, int]:
+    """The integer with a ``prefix_bits``-bit prefix at ``pos`` (RFC 7541 5.1), and its end."""
+    if pos >= len(data):
+        raise _HPACKError("header block ends before an integer")
+    mask = (1 << prefix_bits) - 1
+    value = data[pos] & mask
+    pos += 1
+    if value < mask:
+        return value, pos
+    for shift in range(0, 7 * _HPACK_MAX_INT_OCTETS, 7):
+        if pos >= len(data):
+            raise _HPACKError("header block ends inside an integer")
+        octet = data[pos]
+        pos += 1
+        value += (octet & 0x7F) << shift
+        if octet < 0x80:
+            return value, pos
+    raise _HPACKError("integer longer than %d octets" % (_HPACK_MAX_INT_OCTETS + 1))
+
+
+def _hpack_decode_string(data: bytes, pos: int) -> Tuple[str, int]:
+    """The string literal at ``pos`` (RFC 7541 5.2), Huffman-coded or not, and its end."""
+    length, start = _hpack_decode_int(data, pos, 7)
+    end = start + length
+    if end > len(data):
+        raise _HPACKError("header block ends inside a string")
+    raw = data[start:end]
+    if data[pos] & 0x80:
+        raw = _huffman_decode(raw)
+    return raw.decode("latin-1"), end
+
+
+class _HPACKDecoder:
+    """Decodes the header blocks of one HTTP/2 connection, in the order they arrive.
+
+    ``max_table_size`` is the SETTINGS_HEADER_TABLE_SIZE we advertise; the server may size
+    its dynamic table (``entries``, newest first, taking ``size`` octets) up to it.
+    """
+
+    __slots__ = ("max_table_size", "capacity", "size", "entries", "_cache")
+
+    def __init__(self, max_table_size: int) -> None:
+        self.max_table_size = max_table_size
+        self.capacity = max_table_size
+        self.size = 0
+        self.entries: List[Tuple[str, str]] = []
+        self._cache: Dict[bytes, Tuple[Tuple[str, str], ...]] = {}
+
+    def decode(self, block: bytes) -> Tuple[Tuple[str, str], ...]:
+        """The (name, value) fields of a whole header block; _HPACKError when it is malformed.
+
+        A block that neither reads nor changes the dynamic table means the same every time,
+        so small ones are remembered: a server that repeats itself costs one dict lookup.
+        Hence a tuple, which later calls may return again: it cannot be changed.
+        """
+        headers = self._cache.get(block)
+        if headers is None:
+            headers, stateless = self._decode(block)
+            if stateless and len(block) <= _HPACK_CACHE_MAX_BLOCK:
+                if len(self._cache) >= _HPACK_CACHE_ENTRIES:
+                    self._cache.clear()
+                self._cache[block] = headers
+        return headers
+
+    def _decode(self, block: bytes) -> Tuple[Tuple[Tuple[str, str], ...], bool]:
+        """The fields of a block, and whether it left the dynamic table alone (RFC 7541 6)."""
+        headers: List[Tuple[str, str]] = []
+        stateless = True
+        pos = 0
+        while pos < len(block):
+            first = block[pos]
+            if first & 0x80:                            # indexed field
+                index, pos = _hpack_decode_int(block, pos, 7)
+                field = self._field(index)
+            elif first & 0xE0 == 0x20:                  # dynamic table size update
+                if headers:
+                    raise _HPACKError("dynamic table size update after a header field")
+                size, pos = _hpack_decode_int(block, pos, 5)
+                self._resize(size)
+                stateless = False
+                continue
+            else:                                       # literal field, name indexed if index
+                index, pos = _hpack_decode_int(block, pos, 6 if first & 0x40 else 4)
+                if index:
+                    name = self._field(index)[0]
+                else:
+                    name, pos = _hpack_decode_string(block, pos)
+                value, pos = _hpack_decode_string(block, pos)
+                field = (name, value)
+                if first & 0x40:                        # with incremental indexing
+                    self._insert(field)
+                    stateless = False
+            stateless = stateless and index <= _HPACK_STATIC_SIZE
+            headers.append(field)
+        return tuple(headers), stateless
+
+    def _field(self, index: int) -> Tuple[str, str]:
+        """The static or dynamic table entry at ``index`` (RFC 7541 2.3.3)."""
+        if 0 < index <= _HPACK_STATIC_SIZE:
+            return _HPACK_STATIC_TABLE[index - 1]
+        position = index - _HPACK_STATIC_SIZE - 1
+        if index == 0 or position >= len(self.entries):
+            raise _HPACKError("index %d is not in the header tables" % index)
+        return self.entries[position]
+
+    def _insert(self, field: Tuple[str, str]) -> None:
+        """Add a field to the dynamic table, evicting the oldest to make room (RFC 7541 4.4)."""
+        cost = len(field[0]) + len(field[1]) + _HPACK_ENTRY_OVERHEAD
+        self._evict(max(0, self.capacity - cost))
+        if cost <= self.capacity:
+            self.entries.insert(0, field)
+            self.size += cost
+
+    def _resize(self, capacity: int) -> None:
+        """Apply a dynamic table size update, which may not exceed what we advertised."""
+        if capacity > self.max_table_size:
+            raise _HPACKError(
+                "dynamic table size update to %d exceeds the %d we allow"
+                % (capacity, self.max_table_size)
+            )
+        self.capacity = capacity
+        self._evict(capacity)
+
+    def _evict(self, size: int) -> None:
+        """Drop the oldest entries until the dynamic table takes at most ``size`` octets."""
+        while self.size > size:
+            name, value = self.entries.pop()
+            self.size -= len(name) + len(value) + _HPACK_ENTRY_OVERHEAD
+
+
+def _hpack_encode_int(value: int, prefix_bits: int, flags: int) -> bytes:
+    """``value`` with a ``prefix_bits``-bit prefix (RFC 7541 5.1), ``flags`` in the first octet."""
+    mask = (1 << prefix_bits) - 1
+    if value < mask:
+        return bytes((flags | value,))
+    encoded = bytearray((flags | mask,))
+    value -= mask
+    while value >= 0x80:
+        encoded.append(value & 0x7F | 0x80)
+        value >>= 7
+    encoded.append(value)
+    return bytes(encoded)
+
+
+def _hpack_encode_string(text: str) -> bytes:
+    """``text`` as a string literal, without Huffman coding (RFC 7541 5.2)."""
+    raw = text.encode("latin-1")
+    return _hpack_encode_int(len(raw), 7, 0) + raw
+
+
+def _hpack_encode_field(name: str, value: str) -> bytes:
+    """One field: indexed if static, else a literal without indexing (RFC 7541 6.1, 6.2.2)."""
+    if name != name.lower():
+        raise ValueError("HTTP/2 header names must be lower-case, got %r" % name)
+    index = _HPACK_STATIC_FIELDS.get((name, value))
+    if index is not None:
+        return bytes((0x80 | index,))
+    index = _HPACK_STATIC_NAMES.get(name)
+    if index is None:
+        return b"\x00" + _hpack_encode_string(name) + _hpack_encode_string(value)
+    return _hpack_encode_int(index, 4, 0) + _hpack_encode_string(value)
+
+
+_HPACK_ENCODED_FIELDS: Dict[Tuple[str, str], bytes] = {}
+
+
+def _hpack_encode(headers: Iterable[Tuple[str, str]]) -> bytes:
+    """A header block for ``headers`` that needs no connection state: no dynamic table.
+
+    Fields seen before come from a small cache, so a request's constant headers cost a
+    dict lookup each. ValueError for an upper-case name or a value that is not Latin-1.
+    """
+    encoded = _HPACK_ENCODED_FIELDS
+    parts = []
+    for field in headers:
+        part = encoded.get(field)
+        if part is None:
+            part = _hpack_encode_field(*field)
+            if len(encoded) >= _HPACK_ENCODER_CACHE_ENTRIES:
+                encoded.clear()
+            encoded[field] = part
+        parts.append(part)
+    return b"".join(parts)
+
+
+# HTTP/2 ######################################################################
+# Many requests at once over one TLS connection (RFC 9113), when the server picks h2.
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+(_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWAY,
+ _WINDOW_UPDATE, _CONTINUATION) = range(10)
+_END_STREAM = _ACK = 0x1
+_END_HEADERS = 0x4
+_PADDED = 0x8
+_PRIORITY_FLAG = 0x20
+_SETTINGS_HEADER_TABLE_SIZE = 0x1
+_SETTINGS_ENABLE_PUSH = 0x2
+_SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
+_SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+_SETTINGS_MAX_FRAME_SIZE = 0x5
+_PROTOCOL_ERROR = 0x1
+_FLOW_CONTROL_ERROR = 0x3
+_FRAME_SIZE_ERROR = 0x6
+_REFUSED_STREAM = 0x7
+_CANCEL = 0x8
+_COMPRESSION_ERROR = 0x9
+_H2_WINDOW = 1 << 24          # bytes we let the server send ahead, per stream and connection
+_H2_DEFAULT_WINDOW = 65535    # what RFC 9113 starts every window at
+_H2_FRAME = 16384             # the largest frame we accept (the default; we never raise it)
+_H2_HEADER_TABLE = 4096       # the dynamic table we decode, whatever we advertise (we say 0)
+_H2_PING_QUIET = 10.0         # seconds without a frame, streams open, before one PING
+_H2_LAST_STREAM = (1 << 31) - 1
+_H2_SETTINGS_FRAME = (
+    b"\x00\x00\x12\x04\x00\x00\x00\x00\x00"    # SETTINGS, 3 settings of 6 bytes
+    + b"\x00\x01\x00\x00\x00\x00"               # HEADER_TABLE_SIZE 0
+    + b"\x00\x02\x00\x00\x00\x00"               # ENABLE_PUSH 0
+    + b"\x00\x04" + _H2_WINDOW.to_bytes(4, "big")  # INITIAL_WINDOW_SIZE
+)
+
+
+class _H2Error(Exception):
+    """The server broke HTTP/2: the connection cannot go on (``code`` goes in our GOAWAY)."""
+
+    def __init__(self, message: str, code: int = _PROTOCOL_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Refused(Exception):
+    """The server provably did not process the stream: send it again on another connection."""
+
+
+class _H2Stream:
+    """One request in flight: what is left to send, and what has come back."""
+
+    __slots__ = ("id", "key", "pending", "send_window", "status", "headers", "body",
+                 "deadline", "first_byte", "outcome")
+
+    def __init__(self, stream_id: int, key: object, deadline: float) -> None:
+        self.id = stream_id
+        self.key = key
+        self.pending = b""                 # DATA not yet sent for want of window
+        self.send_window = 0
+        self.status = 0
+        self.headers: Dict[str, str] = {}
+        self.body = bytearray()
+        self.deadline = deadline
+        self.first_byte = 0                # where the stream starts in the connection's output
+        self.outcome: Union[None, Response, BaseException] = None
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
+            + stream_id.to_bytes(4, "big") + payload)
+
+
+class _H2Connection:
+    """An HTTP/2 connection: frames in and out, streams, flow control, HPACK.
+
+    It never blocks on its own: ``receive`` takes bytes read from the socket, ``start``
+    queues a request, ``flush`` writes what the socket takes. Finished streams (with a
+    Response, an error, or _Refused) collect in ``finished``. ``exchange`` drives one
+    request to its end with blocking I/O, for the pool that push() uses.
+    """
+
+    def __init__(self, sock: socket.socket, origin: "_Origin", read_timeout: float) -> None:
+        self.sock = sock
+        self._authority = origin.host_header
+        self._scheme = origin.scheme
+        self._read_timeout = read_timeout
+        self._in = bytearray()
+        self._out = bytearray(_H2_PREFACE + _H2_SETTINGS_FRAME + _frame(
+            _WINDOW_UPDATE, 0, 0, (_H2_WINDOW - _H2_DEFAULT_WINDOW).to_bytes(4, "big")))
+        self._written = 0                  # bytes of output the socket has taken, ever
+        self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
+        self._header_block: Optional[Tuple[int, bool, bytearray]] = None
+        self.streams: Dict[int, _H2Stream] = {}
+        self.finished: List[_H2Stream] = []
+        self._next_id = 1
+        self._max_streams = 100            # until the server's SETTINGS say otherwise
+        self._peer_window = _H2_DEFAULT_WINDOW
+        self._peer_initial_window = _H2_DEFAULT_WINDOW
+        self._peer_frame = _H2_FRAME
+        self._received_unacknowledged = 0
+        self.last_stream_id = _H2_LAST_STREAM   # lowered by GOAWAY
+        self.closed = False
+        self.last_frame = time.monotonic()
+        self._pinged = False
+        self.pid = os.getpid()
+        self.idle_since = 0.0
+        self.reused = False
+
+    # Starting requests --------------------------------------------------------
+
+    @property
+    def free_streams(self) -> int:
+        """How many more streams this connection may start now."""
+        if self.closed or self.last_stream_id != _H2_LAST_STREAM:
+            return 0
+        return max(0, min(self._max_streams - len(self.streams),
+                          (_H2_LAST_STREAM - self._next_id) // 2))
+
+    def start(self, method: str, path: str, headers: Dict[str, str], body: bytes,
+              key: object, now: float) -> _H2Stream:
+        """Queue a request as a new stream; ``key`` tells its outcome apart later."""
+        stream = _H2Stream(self._next_id, key, now + self._read_timeout)
+        self._next_id += 2
+        stream.first_byte = self._written + len(self._out)
+        stream.send_window = self._peer_initial_window
+        fields = [(":method", method), (":scheme", self._scheme),
+                  (":authority", self._authority), (":path", path),
+                  ("user-agent", _USER_AGENT), ("content-length", str(len(body)))]
+        fields.extend((name.lower(), value) for name, value in headers.items())
+        self._queue_headers(stream.id, _hpack_encode(fields), end_stream=not body)
+        self.streams[stream.id] = stream
+        stream.pending = body
+        self._send_data(stream)
+        return stream
+
+    def _queue_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
+        first, rest = block[:self._peer_frame], block[self._peer_frame:]
+        flags = (_END_STREAM if end_stream else 0) | (0 if rest else _END_HEADERS)
+        self._out += _frame(_HEADERS, flags, stream_id, first)
+        while rest:
+            piece, rest = rest[:self._peer_frame], rest[self._peer_frame:]
+            self._out += _frame(_CONTINUATION, 0 if rest else _END_HEADERS, stream_id, piece)
+
+    def _send_data(self, stream: _H2Stream) -> None:
+        """Queue as much of the stream's body as the flow-control windows allow."""
+        while stream.pending:
+            size = min(len(stream.pending), self._peer_frame, self._peer_window,
+                       stream.send_window)
+            if size <= 0:
+                return
+            piece, stream.pending = stream.pending[:size], stream.pending[size:]
+            self._peer_window -= size
+            stream.send_window -= size
+            self._out += _frame(_DATA, 0 if stream.pending else _END_STREAM, stream.id, piece)
+
+    # Reading and writing ------------------------------------------------------
+
+    @property
+    def wants_write(self) -> bool:
+        return bool(self._out)
+
+    def flush(self) -> None:
+        """Write what the (non-blocking) socket takes now."""
+        while self._out:
+            try:
+                sent = self.sock.send(self._out[:65536])
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+                return
+            del self._out[:sent]
+            self._written += sent
+
+    def read_available(self) -> bool:
+        """Read and handle everything the (non-blocking) socket has; False at EOF."""
+        while True:
+            try:
+                data = self.sock.recv(262144)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+                return True
+            if not data:
+                return False
+            self.receive(data)
+
+    def receive(self, data: bytes) -> None:
+        """Handle the frames in ``data`` (and any partial frame left from before)."""
+        self.last_frame = time.monotonic()
+        self._pinged = False
+        buffer = self._in
+        buffer += data
+        offset = 0
+        end = len(buffer)
+        while end - offset >= 9:
+            length = int.from_bytes(buffer[offset:offset + 3], "big")
+            if length > _H2_FRAME:
+                raise _H2Error("a frame of %d bytes" % length, _FRAME_SIZE_ERROR)
+            if end - offset < 9 + length:
+                break
+            kind, flags = buffer[offset + 3], buffer[offset + 4]
+            stream_id = int.from_bytes(buffer[offset + 5:offset + 9], "big") & _H2_LAST_STREAM
+            payload = bytes(buffer[offset + 9:offset + 9 + length])
+            offset += 9 + length
+            self._on_frame(kind, flags, stream_id, payload)
+        del buffer[:offset]
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._header_block is not None and kind != _CONTINUATION:
+            raise _H2Error("a header block was interrupted")
+        if kind == _DATA:
+            self._on_data(flags, stream_id, payload)
+        elif kind in (_HEADERS, _CONTINUATION):
+            self._on_header_fragment(kind, flags, stream_id, payload)
+        elif kind == _RST_STREAM:
+            code = int.from_bytes(payload[:4], "big")
+            self._finish(stream_id, _Refused() if code == _REFUSED_STREAM else NetworkError(
+                "the server reset the stream (HTTP/2 error %d)" % code,
+                may_have_been_delivered=True))
+        elif kind == _SETTINGS and not flags & _ACK:
+            self._on_settings(payload)
+        elif kind == _PING and not flags & _ACK:
+            self._out += _frame(_PING, _ACK, 0, payload)
+        elif kind == _GOAWAY:
+            self._on_goaway(payload)
+        elif kind == _WINDOW_UPDATE:
+            self._on_window_update(stream_id, payload)
+        elif kind == _PUSH_PROMISE:
+            raise _H2Error("server push, which we disabled")
+
+    def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self._received_unacknowledged += len(payload)
+        if self._received_unacknowledged > _H2_WINDOW // 2:
+            self._out += _frame(_WINDOW_UPDATE, 0, 0,
+                                self._received_unacknowledged.to_bytes(4, "big"))
+            self._received_unacknowledged = 0
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return  # a stream we reset or gave up on
+        if flags & _PADDED:
+            payload = payload[1:len(payload) - payload[0]]
+        stream.body += payload
+        if len(stream.body) > _MAX_BODY:
+            self._reset(stream, NetworkError(
+                "response body exceeds %d bytes" % _MAX_BODY, may_have_been_delivered=True))
+        elif flags & _END_STREAM:
+            self._complete(stream)
+
+    def _on_header_fragment(self, kind: int, flags: int, stream_id: int,
+                            payload: bytes) -> None:
+        if kind == _HEADERS:
+            if flags & _PADDED:
+                payload = payload[1:len(payload) - payload[0]]
+            if flags & _PRIORITY_FLAG:
+                payload = payload[5:]
+            self._header_block = (stream_id, bool(flags & _END_STREAM), bytearray())
+        elif self._header_block is None or self._header_block[0] != stream_id:
+            raise _H2Error("a CONTINUATION frame out of place")
+        assert self._header_block is not None
+        self._header_block[2].extend(payload)
+        if len(self._header_block[2]) > _MAX_HEAD:
+            raise _H2Error("a header block over %d bytes" % _MAX_HEAD)
+        if flags & _END_HEADERS:
+            stream_id, end_stream, block = self._header_block
+            self._header_block = None
+            self._on_headers(stream_id, end_stream, bytes(block))
+
+    def _on_headers(self, stream_id: int, end_stream: bool, block: bytes) -> None:
+        try:
+            fields = self._decoder.decode(block)  # always: it may change the dynamic table
+        except _HPACKError as exc:
+            raise _H2Error("undecodable headers: %s" % exc, _COMPRESSION_ERROR) from None
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return
+        if not stream.status:
+            status = dict(fields).get(":status", "")
+            if not (len(status) == 3 and status.isdigit()):
+                raise _H2Error("a response without a valid :status")
+            if status[0] != "1":
+                stream.status = int(status)
+                for name, value in fields:
+                    if name[0] != ":":
+                        old = stream.headers.get(name)
+                        stream.headers[name] = value if old is None else old + ", " + value
+        if end_stream:
+            self._complete(stream)
+
+    def _on_settings(self, payload: bytes) -> None:
+        for offset in range(0, len(payload) - 5, 6):
+            name = int.from_bytes(payload[offset:offset + 2], "big")
+            value = int.from_bytes(payload[offset + 2:offset + 6], "big")
+            if name == _SETTINGS_MAX_CONCURRENT_STREAMS:
+                self._max_streams = value
+            elif name == _SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > _H2_LAST_STREAM:
+                    raise _H2Error("a window above 2^31-1", _FLOW_CONTROL_ERROR)
+                for stream in self.streams.values():
+                    stream.send_window += value - self._peer_initial_window
+                self._peer_initial_window = value
+            elif name == _SETTINGS_MAX_FRAME_SIZE:
+                self._peer_frame = value
+        self._out += _frame(_SETTINGS, _ACK, 0)
+        self._unblock()
+
+    def _on_goaway(self, payload: bytes) -> None:
+        self.last_stream_id = int.from_bytes(payload[:4], "big") & _H2_LAST_STREAM
+        for stream in list(self.streams.values()):
+            if stream.id > self.last_stream_id:
+                self._finish(stream.id, _Refused())
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        increment = int.from_bytes(payload[:4], "big") & _H2_LAST_STREAM
+        if stream_id == 0:
+            self._peer_window += increment
+        elif stream_id in self.streams:
+            self.streams[stream_id].send_window += increment
+        self._unblock()
+
+    def _unblock(self) -> None:
+        """Send the DATA that was waiting for a larger window."""
+        for stream in self.streams.values():
+            if stream.pending:
+                self._send_data(stream)
+
+    # Ending streams -----------------------------------------------------------
+
+    def _complete(self, stream: _H2Stream) -> None:
+        reason = http.client.responses.get(stream.status, "")
+        response = Response(stream.status, reason, Headers(stream.headers), bytes(stream.body))
+        self._finish(stream.id, response)
+
+    def _finish(self, stream_id: int, outcome: Union[Response, BaseException]) -> None:
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None:
+            stream.outcome = outcome
+            self.finished.append(stream)
+
+    def _reset(self, stream: _H2Stream, error: BaseException) -> None:
+        """Give up on a stream: tell the server, and finish it with ``error``."""
+        self._out += _frame(_RST_STREAM, 0, stream.id, _CANCEL.to_bytes(4, "big"))
+        self._finish(stream.id, error)
+
+    def expire(self, now: float) -> None:
+        """End the streams past their deadline; PING a connection that went quiet."""
+        for stream in [s for s in self.streams.values() if s.deadline <= now]:
+            self._reset(stream, NetworkError(
+                "no answer within the read timeout", may_have_been_delivered=True))
+        if self.streams and not self._pinged and now - self.last_frame > _H2_PING_QUIET:
+            self._out += _frame(_PING, 0, 0, b"andpush!")
+            self._pinged = True
+
+    def fail(self, reason: str) -> None:
+        """The connection is gone: finish every stream, saying whether it may have arrived."""
+        self.closed = True
+        for stream in list(self.streams.values()):
+            unsent = stream.first_byte >= self._written
+            self._finish(stream.id, _Refused() if unsent or stream.id > self.last_stream_id
+                         else NetworkError(reason, may_have_been_delivered=True))
+
+    def abort(self, error: _H2Error) -> None:
+        """Tell the server why we give up on the connection (best effort), then fail it."""
+        self._out += _frame(_GOAWAY, 0, 0, bytes(4) + error.code.to_bytes(4, "big"))
+        with contextlib.suppress(OSError):
+            self.flush()
+        self.fail("the server broke HTTP/2: %s" % error)
+
+    def next_deadline(self) -> float:
+        """When ``expire`` next has something to do."""
+        if not self.streams:
+            return math.inf
+        quiet = math.inf if self._pinged else self.last_frame + _H2_PING_QUIET
+        return min(quiet, min(s.deadline for s in self.streams.values()))
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+    # One request at a time, blocking, for the pool ----------------------------
+
+    def exchange(self, method: str, path: str, headers: Dict[str, str],
+                 body: bytes) -> Tuple[Response, bool]:
+        """Send one request and wait for its answer, like _Connection.exchange."""
+        stream = self.start(method, path, headers, body, None, time.monotonic())
+        try:
+            self.sock.sendall(self._out)
+        except OSError as exc:
+            raise _NoAnswer(exc, sent=False) from exc
+        self._written += len(self._out)
+        self._out.clear()
+        while stream.outcome is None:
+            try:
+                data = self.sock.recv(262144)
+            except _CLOSED_BEFORE_ANSWER as exc:
+                data = b""
+                reason: object = exc
+            else:
+                reason = "the server closed the connection"
+            if not data:
+                if stream.status:
+                    raise _ProtocolError("the connection closed mid-response")
+                raise _NoAnswer(reason, sent=True)
+            try:
+                self.receive(data)
+            except _H2Error as exc:
+                self.abort(exc)
+                raise _ProtocolError(str(exc)) from None
+            if self._out:
+                self.sock.sendall(self._out)
+                self._written += len(self._out)
+                self._out.clear()
+        self.finished.clear()
+        if isinstance(stream.outcome, _Refused):
+            raise _NoAnswer("the server refused the stream", sent=False)
+        if isinstance(stream.outcome, BaseException):
+            raise stream.outcome
+        assert isinstance(stream.outcome, Response)
+        return stream.outcome, self.free_streams > 0
+
+    def is_alive(self) -> bool:
+        """Handle what arrived while idle (SETTINGS, PING, GOAWAY); False if unusable."""
+        self.sock.setblocking(False)
+        try:
+            alive = self.read_available()
+            self.flush()
+        except (OSError, _H2Error):
+            alive = False
+        finally:
+            self.sock.settimeout(self._read_timeout)
+        return alive and self.free_streams > 0 and not self._out
+
+
+_AnyConnection = Union[_Connection, _H2Connection]
 
 
 # Messages ####################################################################
@@ -1659,10 +2456,12 @@ class Client:
         transport: _Transport,
         retry: _Retry,
         rate_limit: Optional[float],
+        http2: bool,
     ) -> None:
         self._api = api
         self._transport = transport
         self._retry = retry
+        self._http2 = http2
         self._interval = 1.0 / rate_limit if rate_limit else 0.0
         self._pace_lock = threading.Lock()
         self._paused_until = 0.0
@@ -1698,7 +2497,12 @@ class Client:
         """
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ValueError("concurrency must be a positive int, got %r" % (concurrency,))
-        return self._map(self._outcome, messages, concurrency, progress)
+        first = self._h2_connection() if self._http2 else None
+        if first is None:
+            return self._map(self._outcome, messages, concurrency, progress)
+        work = _Work(messages, concurrency * _WINDOW_PER_WORKER, progress)
+        _H2Sender(self, work, first, concurrency)
+        return _Outcomes(work, lambda: None)
 
     def subscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
         """Subscribe each token to ``topic``; one outcome per token, in order."""
@@ -1773,6 +2577,13 @@ class Client:
         """Hold every new send of this client for ``seconds``: the project is over quota."""
         with self._pace_lock:
             self._paused_until = max(self._paused_until, self._clock() + seconds)
+
+    def _h2_connection(self) -> Optional[_H2Connection]:
+        """An HTTP/2 connection for push_many, or None to send over HTTP/1.1."""
+        try:
+            return self._transport.connect_h2()
+        except NetworkError:
+            return None  # the HTTP/1.1 path reports the failure, message by message
 
     def _outcome(self, message: Dict[str, Any]) -> Outcome:
         try:
@@ -1954,6 +2765,205 @@ class _Work:
         self.wake()
 
 
+class _H2Job:
+    """One message of push_many on its way through the HTTP/2 sender."""
+
+    __slots__ = ("index", "path", "body", "tokens", "retry", "token")
+
+    def __init__(self, index: int, path: str, body: bytes, tokens: Tuple[str, ...],
+                 retry: _Retry) -> None:
+        self.index = index
+        self.path = path
+        self.body = body
+        self.tokens = tokens
+        self.retry = retry
+        self.token = ""
+
+
+class _H2Sender:
+    """push_many over HTTP/2: one thread drives every connection with a selector.
+
+    Each wake-up reads every ready socket until it would block, starts streams for the
+    slots that freed up, and writes once per connection. Streams per connection follow
+    the server's SETTINGS_MAX_CONCURRENT_STREAMS; more concurrency opens more connections.
+    """
+
+    def __init__(self, client: "Client", work: "_Work", first: _H2Connection,
+                 concurrency: int) -> None:
+        self._client = client
+        self._work = work
+        self._concurrency = concurrency
+        self._connections: List[_H2Connection] = []
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        work.wake = self._wake
+        self._ready: Deque[_H2Job] = collections.deque()
+        self._timers: List[Tuple[float, int, _H2Job]] = []
+        self._timer_seq = 0
+        self._jobs = 0                     # taken from the input and not finished
+        self._add(first)
+        threading.Thread(target=self._run, name="andpush-h2", daemon=True).start()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        try:
+            while not self._work.stopped and not (self._work.exhausted and not self._jobs):
+                self._take()
+                self._start_streams()
+                for connection in self._connections:
+                    self._flush(connection)
+                self._wait()
+                self._expire()
+        except BaseException as exc:  # a bug or a KeyboardInterrupt: hand it to the consumer
+            self._work.crash(exc)
+        finally:
+            for connection in self._connections:
+                connection.close()
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _take(self) -> None:
+        """Take messages from the input while fewer than ``concurrency`` are under way."""
+        while self._jobs < self._concurrency:
+            taken = self._work.take(block=False)
+            if taken is None:
+                return
+            index, message = taken
+            try:
+                path, body, tokens = self._client._api.prepare(message, False)
+            except (Error, TypeError, ValueError) as exc:
+                self._work.store(index, exc)
+                continue
+            self._jobs += 1
+            self._ready.append(_H2Job(index, path, body, tokens, self._client._retry))
+
+    def _start_streams(self) -> None:
+        now = time.monotonic()
+        while self._timers and self._timers[0][0] <= now:
+            self._ready.append(heapq.heappop(self._timers)[2])
+        while self._ready:
+            connection = self._connection_with_room()
+            if connection is None:
+                return
+            job = self._ready.popleft()
+            delay = self._client._reserve_send() - self._client._clock()
+            if delay > 0:
+                self._schedule(job, delay)
+                continue
+            try:
+                headers, job.token = self._client._api.headers()
+            except Error as exc:
+                self._finish(job, exc)
+                continue
+            connection.start("POST", job.path, headers, job.body, job, now)
+
+    def _connection_with_room(self) -> Optional[_H2Connection]:
+        """A connection that may start a stream, opening one when all are full."""
+        for connection in self._connections:
+            if connection.free_streams:
+                return connection
+        if sum(len(c.streams) for c in self._connections) >= self._concurrency:
+            return None
+        try:
+            opened = self._client._transport.connect_h2()
+            if opened is None:
+                raise NetworkError("the server stopped offering HTTP/2",
+                                   may_have_been_delivered=False)
+        except NetworkError as exc:
+            if not self._connections:  # else the open ones carry on
+                self._failed(self._ready.popleft(), exc)
+            return None
+        self._add(opened)
+        return opened
+
+    def _add(self, connection: _H2Connection) -> None:
+        connection.sock.setblocking(False)
+        self._connections.append(connection)
+        self._selector.register(connection.sock, selectors.EVENT_READ, connection)
+
+    def _flush(self, connection: _H2Connection) -> None:
+        try:
+            connection.flush()
+        except OSError as exc:
+            connection.fail("the connection broke: %s" % _reason(exc))
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.wants_write else 0)
+        self._selector.modify(connection.sock, events, connection)
+
+    def _wait(self) -> None:
+        """Sleep until a socket, a timer or the consumer has something; handle it."""
+        deadline = min([c.next_deadline() for c in self._connections]
+                       + [self._timers[0][0] if self._timers else math.inf])
+        timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+        for key, _ in self._selector.select(timeout):
+            if key.fileobj is self._wake_r:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+            else:
+                self._read(key.data)
+
+    def _read(self, connection: _H2Connection) -> None:
+        try:
+            if not connection.read_available():
+                connection.fail("the server closed the connection")
+        except _H2Error as exc:
+            connection.abort(exc)
+        except OSError as exc:
+            connection.fail("the connection broke: %s" % _reason(exc))
+        self._settle(connection)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for connection in list(self._connections):
+            connection.expire(now)
+            self._settle(connection)
+
+    def _settle(self, connection: _H2Connection) -> None:
+        """Hand out the outcomes of finished streams; drop a connection that is done."""
+        for stream in connection.finished:
+            job = stream.key
+            assert isinstance(job, _H2Job)
+            outcome = stream.outcome
+            if isinstance(outcome, _Refused):
+                self._ready.appendleft(job)  # not processed: send again, no retry spent
+            elif isinstance(outcome, Response) and 200 <= outcome.status_code < 300:
+                outcome._tokens = job.tokens
+                self._finish(job, outcome)
+            elif isinstance(outcome, Response):
+                self._failed(job, _http_error(outcome))
+            else:
+                assert isinstance(outcome, Error)
+                self._failed(job, outcome)
+        connection.finished.clear()
+        if connection.closed or (not connection.free_streams and not connection.streams
+                                 and connection.last_stream_id != _H2_LAST_STREAM):
+            self._selector.unregister(connection.sock)
+            self._connections.remove(connection)
+            connection.close()
+
+    def _failed(self, job: _H2Job, error: Error) -> None:
+        step = self._client._after_failure(job.retry, error, job.token)
+        if step is None:
+            self._finish(job, error)
+        else:
+            job.retry, wait = step
+            self._schedule(job, wait)
+
+    def _schedule(self, job: _H2Job, delay: float) -> None:
+        self._timer_seq += 1
+        heapq.heappush(self._timers, (time.monotonic() + delay, self._timer_seq, job))
+
+    def _finish(self, job: _H2Job, outcome: Outcome) -> None:
+        self._jobs -= 1
+        self._work.store(job.index, outcome)
+
+
 def new(
     server_key: Optional[str] = None,
     *,
@@ -1969,12 +2979,15 @@ def new(
     max_retries: int = DEFAULT_MAX_RETRIES,
     backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
     rate_limit: Optional[float] = None,
+    http2: bool = True,
 ) -> Client:
     """Create a client for the v1 API (``credentials``, ``access_token``, or Application
     Default Credentials when given nothing) or the legacy API (``server_key``).
 
     ``timeout`` (seconds) bounds connecting and each read; ``rate_limit`` is the most
-    messages a second the client sends.
+    messages a second the client sends. With ``http2`` (the default) the client offers
+    HTTP/2 by ALPN (on ``ssl_context`` too) and push_many multiplexes when the server
+    accepts; ``http2=False`` keeps to HTTP/1.1.
     """
     if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
         raise TypeError("ssl_context must be an ssl.SSLContext")
@@ -1987,10 +3000,13 @@ def new(
         _check_number("rate_limit", rate_limit, minimum=0, exclusive=True)
     if _Origin(endpoint, None).scheme != "https":
         raise ValueError("endpoint must use https://, got %r" % endpoint)
-    connect = _Connector(ssl_context, connect_timeout, read_timeout, keep_alive_timeout, proxy)
+    context = ssl_context or ssl.create_default_context()
+    if http2:
+        context.set_alpn_protocols(["h2", "http/1.1"])
+    connect = _Connector(context, connect_timeout, read_timeout, keep_alive_timeout, proxy)
     api = _api(server_key, credentials, project_id, access_token, connect)
     retry = _Retry(max_retries, backoff_factor, may_refresh=api.refreshable)
-    return Client(api, connect(endpoint, pool_size), retry, rate_limit)
+    return Client(api, connect(endpoint, pool_size), retry, rate_limit, http2)
 
 
 build = new
