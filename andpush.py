@@ -38,6 +38,7 @@ Errors form one tree; each says whose fault it is::
           +-- ServerError  5xx: InternalError, UnavailableError
 """
 
+import argparse
 import base64
 import binascii
 import collections
@@ -56,11 +57,13 @@ import select
 import selectors
 import socket
 import ssl
+import sys
 import threading
 import time
 import urllib.parse
 from typing import (
-    Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Type, Union,
+    Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, NoReturn, Optional,
+    TextIO, Tuple, Type, Union,
 )
 
 __version__ = "0.1.0"
@@ -3067,3 +3070,763 @@ def _timeouts(timeout: Optional[float]) -> Tuple[float, float]:
         return DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT
     _check_number("timeout", timeout, minimum=0, exclusive=True)
     return float(timeout), float(timeout)
+
+
+# Command line ################################################################
+# `andpush COMMAND` (or `python -m andpush`): send, send to many, topics, tokens, checks.
+
+_EXIT_OK = 0           # everything was sent
+_EXIT_FAILED = 1       # some messages (or topic changes) failed
+_EXIT_ERROR = 2        # a usage, credential or connection error: nothing was (or could be) done
+_EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
+
+_SERVER_KEY_VARIABLE = "ANDPUSH_SERVER_KEY"
+_CHECK_TOPIC = "andpush-check"  # the topic `andpush check` validates a message for
+_TARGET_FIELDS = _TARGETS + ("to", "registration_ids")  # v1 and legacy targets
+_UNREGISTERED_CODES = ("UNREGISTERED", "NotRegistered")  # v1 and legacy: delete the token
+_BAR_INTERVAL = 0.1    # seconds between redraws of the progress bar on a terminal
+_LINE_INTERVAL = 2.0   # seconds between progress lines when stderr is not a terminal
+_BAR_WIDTH = 20        # characters between the brackets of the progress bar, at most
+_BAR_MIN_WIDTH = 10    # ... and at least: on a narrower terminal, no bar
+_DEFAULT_COLUMNS = 80  # the width of a terminal that does not say
+
+_DESCRIPTION = """\
+Send Firebase Cloud Messaging (FCM) messages from the shell: one message, one message
+to a list of device tokens (with progress, results and a list of dead tokens), topic
+subscriptions, and a check that the credentials and project work."""
+
+_EPILOG = """\
+examples:
+  andpush --credentials key.json check
+  andpush send --token "$TOKEN" --title Hello --body "It works" --data order=42
+  andpush send-many --tokens tokens.txt --title Update --body "Version 2 is out" \\
+      --results results.jsonl --unregistered dead-tokens.txt
+
+credentials: --credentials FILE (a service account key file), else Application Default
+Credentials (GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default login`,
+or the metadata server on Google Cloud). The legacy API takes a server key, best from
+the ANDPUSH_SERVER_KEY environment variable.
+
+exit status: 0 all sent; 1 some messages failed; 2 usage, credential or connection
+error; 130 interrupted. Run 'andpush COMMAND --help' for a command's options."""
+
+
+class _Failure(Exception):
+    """Ends a command with one error line and an exit status (by default: a usage error)."""
+
+    def __init__(self, message: str, status: int = _EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, printed (and exited on) by main()."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _Failure(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="andpush", description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version="andpush " + __version__)
+    _add_global_options(parser, defaults=True)
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    every_command: List[argparse.ArgumentParser] = []  # get the global options last
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, description=description)
+        every_command.append(sub)
+        return sub
+
+    send = command("send", "send one message", "Send one message to a device token, a topic "
+                   "or a condition, and print FCM's answer (JSON) on stdout.")
+    targets = send.add_argument_group("target (one of)").add_mutually_exclusive_group()
+    targets.add_argument("--token", help="the device token to send to")
+    targets.add_argument("--topic", metavar="NAME", help="the topic to send to (no /topics/)")
+    targets.add_argument("--condition", metavar="EXPRESSION",
+                         help="a topic condition, e.g. \"'news' in topics && 'eu' in topics\"")
+    _add_content_options(send)
+    send.add_argument("--validate-only", action="store_true",
+                      help="ask FCM to check the message without delivering it (dry run)")
+    send.set_defaults(run=_cmd_send)
+
+    many = command("send-many", "send one message to many device tokens", "Send the same "
+                   "message to every device token of a file, many at once. Progress and a "
+                   "summary go to stderr. Ctrl-C stops cleanly: what was not sent yet is not "
+                   "sent, the summary so far is printed, and the exit status is 130.")
+    many.add_argument("--tokens", metavar="FILE", required=True,
+                      help="the device tokens, one a line (- reads stdin); blank lines and "
+                      "lines starting with # are skipped")
+    _add_content_options(many)
+    many.add_argument("--concurrency", metavar="N", type=_positive_int,
+                      default=DEFAULT_CONCURRENCY,
+                      help="messages in flight at once (default: %(default)s)")
+    many.add_argument("--rate", metavar="N", type=_positive_float,
+                      help="send at most N messages a second (default: no limit)")
+    many.add_argument("--results", metavar="FILE",
+                      help="write one JSON object a line per token (- for stdout): token, ok, "
+                      "status, error (FCM's error code), message (its name or id), detail")
+    many.add_argument("--unregistered", metavar="FILE",
+                      help="write the tokens FCM no longer knows, one a line, to delete them")
+    many.add_argument("-q", "--quiet", action="store_true",
+                      help="show no progress (the summary is still printed)")
+    many.set_defaults(run=_cmd_send_many)
+
+    for name, verb in (("subscribe", "subscribe device tokens to"),
+                       ("unsubscribe", "unsubscribe device tokens from")):
+        topic = command(name, verb + " a topic", verb.capitalize() + " a topic; each failed "
+                        "token gets a line on stderr (by its position, not its value).")
+        topic.add_argument("--topic", metavar="NAME", required=True, help="the topic")
+        topic.add_argument("--tokens", metavar="FILE",
+                           help="device tokens, one a line (- reads stdin)")
+        topic.add_argument("--token", action="append", help="a device token; repeat for more")
+        topic.set_defaults(run=_cmd_topic, subscribe=name == "subscribe")
+
+    token = command("token", "print an access token (e.g. for curl)", "Print an OAuth2 access "
+                    "token for the FCM v1 API, made from the credentials, as in: curl -H "
+                    "\"Authorization: Bearer $(andpush token)\" ... It is valid for an hour "
+                    "and as secret as the key itself.")
+    token.set_defaults(run=_cmd_token)
+
+    check = command("check", "check that the credentials and project work", "Get an access "
+                    "token and have FCM validate, not deliver, a test message to --token or to "
+                    "the topic " + _CHECK_TOPIC + "; then say whether the credentials and "
+                    "project work, and if not, why. Exit status 0: they work; 1: they do, but "
+                    "FCM refused --token; 2: they do not.")
+    check.add_argument("--token", help="a device token to validate the test message for")
+    check.set_defaults(run=_cmd_check)
+    for sub in every_command:
+        _add_global_options(sub, defaults=False)
+    return parser
+
+
+def _add_global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options every command takes, before or after its name.
+
+    The subcommands' copies default to SUPPRESS, so that they leave a value given before
+    the command alone and override it only when given after.
+    """
+    def default(value: object) -> object:
+        return value if defaults else argparse.SUPPRESS
+
+    group = parser.add_argument_group("global options (before or after the command)")
+    group.add_argument("--credentials", metavar="FILE", default=default(None),
+                       help="a service account key file (default: Application Default "
+                       "Credentials)")
+    group.add_argument("--server-key", metavar="KEY", default=default(None),
+                       help="use the legacy API with this server key; better set "
+                       + _SERVER_KEY_VARIABLE + ": a key on the command line ends up in "
+                       "the shell history and in ps")
+    group.add_argument("--project-id", metavar="ID", default=default(None),
+                       help="the Firebase project (default: the key file's)")
+    group.add_argument("--endpoint", metavar="URL", default=default(DEFAULT_ENDPOINT),
+                       help="where FCM is, e.g. a local server or a gateway (default: "
+                       + DEFAULT_ENDPOINT + ")")
+    group.add_argument("--cafile", metavar="FILE", default=default(None),
+                       help="trust the CA certificates in this PEM file instead of the "
+                       "system's")
+    group.add_argument("--timeout", metavar="SECONDS", type=_positive_float,
+                       default=default(None), help="for connecting and for each answer")
+    group.add_argument("-v", "--verbose", action="store_true", default=default(False),
+                       help="log what andpush does, and show tracebacks, on stderr")
+
+
+def _add_content_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("message content")
+    group.add_argument("--title", help="the notification title")
+    group.add_argument("--body", help="the notification body")
+    group.add_argument("--image", metavar="URL", help="the notification image")
+    group.add_argument("--data", metavar="KEY=VALUE", action="append", type=_key_value,
+                       help="a data field; repeat for more")
+    group.add_argument("--message", metavar="FILE",
+                       help="the message as JSON (- reads stdin): a v1 Message, or a legacy "
+                       "request body with a server key; the options above are merged into it")
+
+
+def _key_value(text: str) -> Tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not key or not equals:
+        raise argparse.ArgumentTypeError("expected KEY=VALUE, got %r" % text)
+    return key, value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError("expected a positive whole number, got %r" % text)
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError("expected a positive number, got %r" % text)
+    return value
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.verbose:
+            logging.basicConfig(
+                stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s: %(message)s"
+            )
+            log.setLevel(logging.DEBUG)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return _EXIT_ERROR
+        return int(args.run(args))
+    except SystemExit as exc:  # --help and --version
+        return exc.code if isinstance(exc.code, int) else _EXIT_OK
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return _EXIT_INTERRUPTED
+    except _Failure as exc:
+        return _fail(exc, str(exc), exc.status)
+    except Error as exc:
+        return _fail(exc, _explain(exc), _exit_status(exc))
+
+
+def _fail(exc: BaseException, message: str, status: int) -> int:
+    log.debug("the command failed:", exc_info=exc)  # the traceback, with --verbose
+    _say("error: " + message)
+    return status
+
+
+def _say(text: str) -> None:
+    print("andpush: " + text, file=sys.stderr, flush=True)
+
+
+# What went wrong, in the user's terms: whose fault, what to do, and the exit status.
+
+def _is_systemic(error: object) -> bool:
+    """Whether an error would fail any message alike: credentials, permission, network."""
+    if isinstance(error, (AuthError, NetworkError)):
+        return True
+    return isinstance(error, HTTPError) and (
+        error.status_code == 401 and not isinstance(error, ThirdPartyAuthError)
+        or error.status_code == 403 and not isinstance(error, SenderIdMismatchError)
+    )
+
+
+def _is_missing_project(error: object) -> bool:
+    """A 404 from messages:send that is not about a token: no such project (or endpoint)."""
+    return (
+        isinstance(error, HTTPError) and error.status_code == 404
+        and not isinstance(error, UnregisteredError)
+    )
+
+
+def _exit_status(error: Error) -> int:
+    return _EXIT_ERROR if _is_systemic(error) or _is_missing_project(error) else _EXIT_FAILED
+
+
+def _explain(error: BaseException) -> str:
+    """One line: what went wrong, what to do where that is clear, and the error itself."""
+    if isinstance(error, AuthError):
+        return "credentials problem: %s" % error
+    if isinstance(error, NetworkError):
+        return "network problem: %s" % error
+    if isinstance(error, ThirdPartyAuthError):
+        advice = "FCM refused the project's APNs certificate or web push key"
+    elif isinstance(error, HTTPError) and error.status_code == 401:
+        advice = "FCM refused the credentials; check the key file or the server key"
+    elif isinstance(error, SenderIdMismatchError):
+        advice = "the device token belongs to another Firebase project"
+    elif isinstance(error, HTTPError) and error.status_code == 403:
+        advice = (
+            "permission denied: the service account needs a role with the permission "
+            "cloudmessaging.messages.create (e.g. Firebase Cloud Messaging API Admin), and "
+            "the Firebase Cloud Messaging API must be enabled for the project"
+        )
+    elif isinstance(error, UnregisteredError):
+        advice = "the device token is no longer valid; delete it"
+    elif _is_missing_project(error):
+        advice = "not found: check the project id (--project-id, or project_id in the key " \
+            "file) and --endpoint"
+    else:
+        return str(error)
+    return "%s (%s)" % (advice, error)
+
+
+# Building a client and messages from the options.
+
+def _client(args: argparse.Namespace, rate_limit: Optional[float] = None) -> Client:
+    """The client the global options describe (legacy when given a server key)."""
+    server_key = args.server_key
+    if server_key is not None and args.credentials is not None:
+        raise _Failure("give --credentials or --server-key, not both")
+    if server_key is None and args.credentials is None:
+        server_key = os.environ.get(_SERVER_KEY_VARIABLE) or None
+    context = None
+    if args.cafile:
+        try:
+            context = ssl.create_default_context(cafile=args.cafile)
+        except OSError as exc:  # ssl.SSLError too: not PEM certificates
+            raise _Failure(
+                "cannot use --cafile %r: %s" % (args.cafile, exc.strerror or exc)) from None
+    try:
+        return new(
+            server_key, credentials=args.credentials, project_id=args.project_id,
+            endpoint=args.endpoint, ssl_context=context, timeout=args.timeout,
+            rate_limit=rate_limit,
+        )
+    except (TypeError, ValueError) as exc:
+        raise _Failure(str(exc)) from None
+
+
+def _is_legacy(client: Client) -> bool:
+    return isinstance(client._api, _LegacyAPI)
+
+
+def _check_ready(client: Client, message: Optional[Dict[str, Any]] = None) -> None:
+    """Fail before the first send when no access token comes, or the message is wrong."""
+    api = client._api
+    if isinstance(api, _V1API):
+        api.headers()
+    if message is not None:
+        try:
+            api.prepare(message, False)  # finds the project too
+        except (TypeError, ValueError) as exc:
+            raise _Failure("bad message: %s" % exc) from None
+
+
+def _message(args: argparse.Namespace) -> Dict[str, Any]:
+    """The content options as a message: --message's JSON with the other options merged in."""
+    message = _read_message(args.message) if args.message else {}
+    notification = {
+        name: getattr(args, name) for name in ("title", "body", "image")
+        if getattr(args, name) is not None
+    }
+    if notification:
+        message["notification"] = dict(_object_field(message, "notification"), **notification)
+    if args.data:
+        message["data"] = dict(_object_field(message, "data"), **dict(args.data))
+    return message
+
+
+def _read_message(path: str) -> Dict[str, Any]:
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+        message = json.loads(text)
+    except OSError as exc:
+        raise _Failure("cannot read --message %r: %s" % (path, exc.strerror or exc)) from None
+    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError
+        raise _Failure("--message %r is not JSON: %s" % (path, exc)) from None
+    if isinstance(message, dict) and list(message) == ["message"]:
+        message = message["message"]  # a whole v1 request body: {"message": {...}}
+    if not isinstance(message, dict):
+        raise _Failure("--message %r must hold a JSON object" % path)
+    return message
+
+
+def _object_field(message: Dict[str, Any], name: str) -> Dict[str, Any]:
+    value = message.get(name, {})
+    if not isinstance(value, dict):
+        raise _Failure("%r in the --message file must be a JSON object" % name)
+    return value
+
+
+def _with_target(message: Dict[str, Any], args: argparse.Namespace, legacy: bool) -> Dict[str, Any]:
+    """The message sent to the target the options name (instead of the file's, if any)."""
+    if args.token:
+        field, value = ("to" if legacy else "token"), args.token
+    elif args.topic:
+        field, value = ("to", "/topics/" + args.topic) if legacy else ("topic", args.topic)
+    elif args.condition:
+        field, value = "condition", args.condition
+    elif any(name in message for name in _TARGET_FIELDS):
+        return message
+    else:
+        raise _Failure("no target: give --token, --topic or --condition")
+    message = {name: value for name, value in message.items() if name not in _TARGET_FIELDS}
+    message[field] = value
+    return message
+
+
+def _open(path: str, what: str, stack: contextlib.ExitStack, write: bool = False) -> TextIO:
+    """The file at ``path`` (``-``: stdin, or stdout when writing), closed with ``stack``."""
+    if path == "-":
+        return sys.stdout if write else sys.stdin
+    try:
+        file = open(path, "w" if write else "r", encoding="utf-8")
+    except OSError as exc:
+        raise _Failure("cannot %s %s %r: %s" % (
+            "write" if write else "read", what, path, exc.strerror or exc)) from None
+    return stack.enter_context(file)
+
+
+def _tokens_in(lines: Iterable[str], path: str) -> Iterator[str]:
+    """The device tokens of a file's lines, lazily: blank lines and # comments skipped."""
+    try:
+        for line in lines:
+            token = line.strip()
+            if token and not token.startswith("#"):
+                yield token
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        raise _Failure("cannot read the tokens file %r: %s" % (path, exc)) from None
+
+
+def _count_tokens(path: str) -> Optional[int]:
+    """How many tokens a regular file holds (one quick pass), or None for stdin, pipes..."""
+    if path == "-" or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            return sum(1 for _ in _tokens_in(file, path))
+    except (OSError, _Failure):
+        return None
+
+
+def _answer(response: Response) -> Tuple[Optional[str], Optional[str]]:
+    """A 2xx answer's message name (v1) or id (legacy), and the legacy error if it has one."""
+    try:
+        answer, errors = response.json, response.errors
+    except ValueError:  # not JSON
+        return None, None
+    refused = next(iter(errors.values()), None)
+    if not isinstance(answer, dict):
+        return None, refused
+    name = answer.get("name")  # v1: {"name": "projects/p/messages/1"}
+    results = answer.get("results")  # legacy: {"results": [{"message_id": "0:1..."}]}
+    if name is None and isinstance(results, list) and results and isinstance(results[0], dict):
+        name = results[0].get("message_id")
+    return (None if name is None else str(name)), refused
+
+
+def _failure_code(error: BaseException) -> str:
+    """FCM's error code for a failed message, or what kind of failure it was."""
+    if isinstance(error, HTTPError):
+        return error.error_code or "HTTP_%d" % error.status_code
+    if isinstance(error, NetworkError):
+        return "NETWORK_ERROR"
+    if isinstance(error, AuthError):
+        return "AUTH_ERROR"
+    return "INVALID_MESSAGE"  # TypeError/ValueError: refused before it was sent
+
+
+def _record(token: str, outcome: Outcome) -> Dict[str, Any]:
+    """One line of --results: what became of the message to ``token``."""
+    record: Dict[str, Any] = {
+        "token": token, "ok": False, "status": None, "error": None, "message": None,
+        "detail": None,
+    }
+    if isinstance(outcome, Response):
+        record["message"], refused = _answer(outcome)
+        record.update(ok=refused is None, status=outcome.status_code, error=refused)
+    else:
+        record.update(error=_failure_code(outcome), detail=str(outcome))
+        if isinstance(outcome, HTTPError):
+            record["status"] = outcome.status_code
+    return record
+
+
+# Commands: each takes the parsed options and returns the exit status.
+
+def _cmd_send(args: argparse.Namespace) -> int:
+    content = _message(args)
+    with _client(args) as client:
+        message = _with_target(content, args, _is_legacy(client))
+        try:
+            response = client.push(message, validate_only=args.validate_only)
+        except (TypeError, ValueError) as exc:
+            raise _Failure("bad message: %s" % exc) from None
+    try:
+        print(json.dumps(response.json, indent=2))
+    except ValueError:  # not JSON
+        print(response.body.decode("utf-8", "replace"))
+    refused = _answer(response)[1]
+    if refused is not None:
+        raise _Failure("FCM refused the message: %s" % refused, _EXIT_FAILED)
+    return _EXIT_OK
+
+
+def _cmd_send_many(args: argparse.Namespace) -> int:
+    if args.tokens == "-" and args.message == "-":
+        raise _Failure("--tokens and --message cannot both read stdin")
+    template = _message(args)
+    if any(name in template for name in _TARGET_FIELDS):
+        raise _Failure("the --message file must have no target: the tokens come from --tokens")
+    with contextlib.ExitStack() as stack:
+        lines = _open(args.tokens, "the tokens file", stack)
+        results = _open(args.results, "--results", stack, write=True) if args.results else None
+        dead = _open(args.unregistered, "--unregistered", stack, write=True) \
+            if args.unregistered else None
+        client = stack.enter_context(_client(args, rate_limit=args.rate))
+        field = "to" if _is_legacy(client) else "token"
+        _check_ready(client, dict(template, **{field: "token"}))
+        progress = _Progress(sys.stderr, None if args.quiet else _count_tokens(args.tokens),
+                             args.quiet)
+        tally = _Tally(results, dead)
+        pending: Deque[str] = collections.deque()  # tokens taken, their outcomes not yet seen
+
+        def messages() -> Iterator[Dict[str, Any]]:
+            for token in _tokens_in(lines, args.tokens):
+                pending.append(token)
+                yield dict(template, **{field: token})
+
+        outcomes = client.push_many(messages(), concurrency=args.concurrency,
+                                    progress=progress.update)
+        try:
+            for outcome in outcomes:
+                tally.add(pending.popleft(), outcome)
+                if isinstance(outcome, Exception) and _stops_the_run(outcome, tally.sent):
+                    raise outcome
+        except KeyboardInterrupt:
+            tally.interrupted = True
+        finally:
+            if isinstance(outcomes, _Outcomes):  # push_many's iterator: stop the sending
+                outcomes.close()
+            progress.finish(tally.sent + tally.failed, tally.failed)
+            tally.report(args.unregistered)
+    if tally.interrupted:
+        return _EXIT_INTERRUPTED
+    return _EXIT_FAILED if tally.failed else _EXIT_OK
+
+
+def _stops_the_run(outcome: Exception, sent: int) -> bool:
+    """Whether a failure would fail every message after it too (credentials, project...).
+
+    A network failure counts only when nothing was sent yet: then FCM cannot be reached.
+    """
+    if isinstance(outcome, NetworkError):
+        return sent == 0 and not outcome.may_have_been_delivered
+    return _is_systemic(outcome) or _is_missing_project(outcome)
+
+
+def _cmd_topic(args: argparse.Namespace) -> int:
+    tokens = list(args.token or [])
+    if args.tokens:
+        with contextlib.ExitStack() as stack:
+            tokens.extend(_tokens_in(_open(args.tokens, "the tokens file", stack), args.tokens))
+    if not tokens:
+        raise _Failure("no device tokens: give --tokens FILE or --token TOKEN")
+    with _client(args) as client:
+        _check_ready(client)
+        manage = client.subscribe if args.subscribe else client.unsubscribe
+        try:
+            outcomes = manage(tokens, args.topic)
+        except (TypeError, ValueError) as exc:
+            raise _Failure(str(exc)) from None
+    failed = 0
+    for number, outcome in enumerate(outcomes, 1):
+        if isinstance(outcome, Exception):
+            if _is_systemic(outcome):
+                raise outcome
+            failed += 1
+            _say("token %d of %d: %s" % (number, len(tokens), _explain(outcome)))
+    _say("%s %s of %s tokens %s topic %r%s" % (
+        "subscribed" if args.subscribe else "unsubscribed", _number(len(tokens) - failed),
+        _number(len(tokens)), "to" if args.subscribe else "from", args.topic,
+        "; %s failed" % _number(failed) if failed else "",
+    ))
+    return _EXIT_FAILED if failed else _EXIT_OK
+
+
+def _cmd_token(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        api = client._api
+        if not isinstance(api, _V1API):
+            raise _Failure("the legacy API has no access tokens, only the server key; give "
+                           "--credentials (or use Application Default Credentials)")
+        print(api.headers()[1])
+    return _EXIT_OK
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        api = client._api
+        if isinstance(api, _V1API):
+            api.headers()
+            print("credentials   ok: got an access token")
+            print("project       %s" % urllib.parse.unquote(api.project_path().split("/")[-1]))
+            message = {"token": args.token} if args.token else {"topic": _CHECK_TOPIC}
+        else:
+            print("credentials   a legacy server key")
+            message = {"to": args.token or "/topics/" + _CHECK_TOPIC}
+        try:
+            refused = _answer(client.push(message, validate_only=True))[1]
+        except HTTPError as exc:
+            if _exit_status(exc) != _EXIT_FAILED:  # about the setup, not the token
+                raise
+            refused = _explain(exc)
+    if refused is not None:
+        print("test message  refused for the device token given")
+        print("The credentials and project work; the device token does not.")
+        raise _Failure("FCM refused the test message: %s" % refused, _EXIT_FAILED)
+    print("test message  ok: FCM validated it (validate_only: nothing was delivered)")
+    print("The credentials and project work.")
+    return _EXIT_OK
+
+
+# send-many's progress display and summary.
+
+class _Progress:
+    """push_many's progress on a stream: a bar redrawn in place on a terminal, a plain line
+    every few seconds otherwise, nothing when quiet.
+
+    ``update`` is push_many's progress callback, called from the sending threads: it draws
+    at most once an interval and never waits for another thread that is drawing.
+    """
+
+    def __init__(
+        self,
+        stream: TextIO,
+        total: Optional[int],
+        quiet: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._stream = stream
+        self._total = total or None
+        self._bar = stream.isatty()
+        self._interval = _BAR_INTERVAL if self._bar else _LINE_INTERVAL
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._started = self._clock()
+        self._next_draw = self._started + (0.0 if self._bar else self._interval)
+        self._finished = quiet
+
+    def update(self, done: int, failed: int) -> None:
+        # Reading _next_draw unlocked is a cheap first filter; it is checked again locked.
+        if self._clock() < self._next_draw or not self._lock.acquire(blocking=False):
+            return
+        try:
+            now = self._clock()
+            if not self._finished and now >= self._next_draw:
+                self._next_draw = now + self._interval
+                self._draw(done, failed, now)
+        finally:
+            self._lock.release()
+
+    def finish(self, done: int, failed: int) -> None:
+        """Draw no more; on a terminal, leave the bar at these counts and end its line."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            if self._bar:
+                self._draw(done, failed, self._clock())
+                self._stream.write("\n")
+                self._stream.flush()
+
+    def _draw(self, done: int, failed: int, now: float) -> None:
+        text = _progress_text(done, failed, self._total, now - self._started)
+        if self._bar:
+            room = _terminal_width(self._stream) - 1  # the last column would wrap the line
+            bar_width = min(_BAR_WIDTH, room - len(text) - 3)
+            if self._total and bar_width >= _BAR_MIN_WIDTH:
+                text = _bar(done, self._total, bar_width) + " " + text
+            self._stream.write("\r" + text[:room] + "\x1b[K")  # K: clear to the line's end
+        else:
+            self._stream.write("andpush: " + text + "\n")
+        self._stream.flush()
+
+
+def _progress_text(done: int, failed: int, total: Optional[int], elapsed: float) -> str:
+    rate = done / elapsed if elapsed > 0 else 0.0
+    parts = ["%s/%s (%d%%)" % (_number(done), _number(total), min(100, 100 * done // total))
+             if total else "%s done" % _number(done)]
+    parts += ["%s failed" % _number(failed), "%s/s" % _number(round(rate)),
+              "%s elapsed" % _duration(elapsed)]
+    if total and rate > 0 and done < total:
+        parts.append("%s left" % _duration((total - done) / rate))
+    return ", ".join(parts)
+
+
+def _bar(done: int, total: int, width: int) -> str:
+    filled = width * min(done, total) // total
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def _terminal_width(stream: TextIO) -> int:
+    try:
+        columns = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):  # not a terminal after all, or no file descriptor
+        columns = 0
+    return columns or _DEFAULT_COLUMNS  # 0: a terminal that does not know its size
+
+
+def _number(count: int) -> str:
+    return "{:,}".format(count)
+
+
+def _duration(seconds: float) -> str:
+    """4.2s under a minute, else m:ss or h:mm:ss."""
+    if seconds < 60:
+        return "%.1fs" % seconds
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return "%d:%02d:%02d" % (hours, minutes, seconds) if hours else "%d:%02d" % (minutes, seconds)
+
+
+class _Tally:
+    """What send-many has done: messages sent, failures by error code, dead tokens; each
+    outcome also written to the --results and --unregistered files, when given."""
+
+    def __init__(self, results: Optional[TextIO], unregistered: Optional[TextIO]) -> None:
+        self.sent = 0
+        self.failures: Dict[str, int] = {}
+        self.unregistered = 0
+        self.interrupted = False
+        self._results = results
+        self._unregistered_file = unregistered
+        self._started = time.monotonic()
+
+    @property
+    def failed(self) -> int:
+        return sum(self.failures.values())
+
+    def add(self, token: str, outcome: Outcome) -> None:
+        record = _record(token, outcome)
+        if self._results is not None:
+            self._results.write(json.dumps(record) + "\n")
+        if record["ok"]:
+            self.sent += 1
+            return
+        code = record["error"]
+        self.failures[code] = self.failures.get(code, 0) + 1
+        if code in _UNREGISTERED_CODES:
+            self.unregistered += 1
+            if self._unregistered_file is not None:
+                self._unregistered_file.write(token + "\n")
+
+    def report(self, unregistered_path: Optional[str]) -> None:
+        """The summary, on stderr."""
+        _say(_summary(self.sent, self.failures, time.monotonic() - self._started))
+        if unregistered_path:
+            _say("%s unregistered tokens written to %s" % (
+                _number(self.unregistered), "stdout" if unregistered_path == "-"
+                else repr(unregistered_path)))
+        if self.interrupted:
+            _say("interrupted: the remaining tokens were not sent")
+
+
+def _summary(sent: int, failures: Dict[str, int], elapsed: float) -> str:
+    """E.g. sent 9,600 of 10,000 messages, 400 failed (400 UNREGISTERED) in 4.2s: 2,381/s."""
+    done = sent + sum(failures.values())
+    text = "sent %s of %s messages" % (_number(sent), _number(done))
+    if failures:
+        by_count = sorted(failures.items(), key=lambda item: (-item[1], item[0]))
+        text += ", %s failed (%s)" % (_number(done - sent), ", ".join(
+            "%s %s" % (_number(count), code) for code, count in by_count))
+    rate = _number(round(done / elapsed)) if elapsed > 0 else "-"
+    return text + " in %s: %s messages/s" % (_duration(elapsed), rate)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,10 +18,12 @@ import pathlib
 import re
 import selectors
 import shutil
+import signal
 import socket
 import ssl
 import struct
 import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -2661,6 +2663,495 @@ class ReadmeExamplesTest(unittest.TestCase):
                 os.chdir(cwd)
             self.assertEqual(server.errors, [])
             self.assertGreater(server.processed, 10)
+
+
+# The command line, run as a user runs it ####################################################
+
+_REPO = os.path.dirname(os.path.abspath(andpush.__file__))
+_CLI_TIMEOUT = 30.0  # seconds one run of the command line may take before the test fails
+# What the environment must not hold for the command-line runs to be predictable.
+_CLI_UNSET = ("ANDPUSH_SERVER_KEY", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT",
+              "GCLOUD_PROJECT", "https_proxy", "HTTPS_PROXY")
+
+
+def _closed_port() -> int:
+    """A local port with nothing listening: connecting to it is refused at once."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        return int(unused.getsockname()[1])
+
+
+class CliTestCase(unittest.TestCase):
+    """Runs ``python -m andpush`` in a subprocess against a FakeGoogle, with a key file whose
+    token_uri points at the fake and a CA file for its certificate, in a temporary folder."""
+
+    def setUp(self) -> None:
+        self.server = FakeGoogle()
+        self.server.start()
+        self.addCleanup(self.server.close)
+        self.addCleanup(lambda: self.assertEqual(self.server.errors, []))
+        folder = tempfile.TemporaryDirectory()
+        self.addCleanup(folder.cleanup)
+        self.folder = folder.name
+        self.key_file = self.write("key.json", json.dumps(service_account_info(self.server)))
+        self.ca_file = self.write("ca.pem", TEST_CA_PEM)
+
+    def write(self, name: str, text: Union[str, bytes]) -> str:
+        path = os.path.join(self.folder, name)
+        with open(path, "wb") as file:
+            file.write(text.encode() if isinstance(text, str) else text)
+        return path
+
+    def read(self, name: str) -> str:
+        with open(os.path.join(self.folder, name)) as file:
+            return file.read()
+
+    def options(self, credentials: bool = True) -> List[str]:
+        """The global options that point andpush at the fake server."""
+        found = ["--cafile", self.ca_file, "--endpoint", self.server.endpoint]
+        return (["--credentials", self.key_file] if credentials else []) + found
+
+    def environment(self, **variables: str) -> Dict[str, str]:
+        env = {name: value for name, value in os.environ.items() if name not in _CLI_UNSET}
+        env["CLOUDSDK_CONFIG"] = self.folder  # no gcloud credentials of the machine's
+        env["GCE_METADATA_HOST"] = "127.0.0.1:%d" % _closed_port()
+        env.update(variables)
+        return env
+
+    def andpush(self, *args: str, stdin: str = "", server_key: str = "",
+                options: Optional[List[str]] = None) -> "subprocess.CompletedProcess[str]":
+        """Run andpush with ``args`` followed by ``options`` (default: self.options(), or
+        with ``server_key`` the legacy API's from ANDPUSH_SERVER_KEY)."""
+        if options is None:
+            options = self.options(credentials=not server_key)
+        env = self.environment(ANDPUSH_SERVER_KEY=server_key) if server_key else self.environment()
+        return subprocess.run(
+            [sys.executable, "-m", "andpush", *args, *options], input=stdin, cwd=_REPO,
+            env=env, capture_output=True, text=True, timeout=_CLI_TIMEOUT,
+        )
+
+    def assertExit(self, result: "subprocess.CompletedProcess[str]", status: int) -> None:
+        self.assertEqual(result.returncode, status, "stderr:\n" + result.stderr)
+        self.assertNotIn("Traceback", result.stderr)
+
+    def assertErrorLine(
+        self, result: "subprocess.CompletedProcess[str]", status: int, *fragments: str
+    ) -> str:
+        """The run ended with ``status`` and one error line on stderr, holding ``fragments``."""
+        self.assertExit(result, status)
+        lines = result.stderr.splitlines()
+        self.assertEqual(len(lines), 1, result.stderr)
+        self.assertTrue(lines[0].startswith("andpush: error: "), lines[0])
+        for fragment in fragments:
+            self.assertIn(fragment, lines[0])
+        return lines[0]
+
+    def route(self, method: str, prefix: str, reply: Reply) -> None:
+        """Answer every request under ``prefix`` with ``reply`` (no credentials checked)."""
+        self.server.routes[(method, prefix)] = lambda request: reply
+
+
+class CliHelpTest(CliTestCase):
+    def test_help_describes_the_tool_with_examples_and_exits_0(self) -> None:
+        result = self.andpush("--help", options=[])
+        self.assertExit(result, 0)
+        for text in ("Firebase Cloud Messaging", "examples:", "andpush send-many --tokens",
+                     "send-many", "subscribe", "unsubscribe", "token", "check",
+                     "ANDPUSH_SERVER_KEY", "shell history", "exit status"):
+            self.assertIn(text, result.stdout)
+        self.assertEqual(result.stderr, "")
+
+    def test_every_command_has_a_help_of_its_own(self) -> None:
+        for command in ("send", "send-many", "subscribe", "unsubscribe", "token", "check"):
+            with self.subTest(command):
+                result = self.andpush(command, "--help", options=[])
+                self.assertExit(result, 0)
+                self.assertIn("usage: andpush " + command, result.stdout)
+                self.assertIn("--credentials", result.stdout)  # the global options too
+
+    def test_no_command_shows_the_help_and_a_wrong_one_an_error_line(self) -> None:
+        result = self.andpush(options=[])
+        self.assertExit(result, 2)
+        self.assertIn("usage: andpush", result.stderr)
+        self.assertErrorLine(self.andpush("sendd", options=[]), 2, "invalid choice: 'sendd'")
+
+
+class CliSendTest(CliTestCase):
+    def test_sends_a_notification_with_data_and_prints_the_answer(self) -> None:
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi", "--body", "There",
+                              "--image", "https://example.com/a.png",
+                              "--data", "order=42", "--data", "query=a=b")
+        self.assertExit(result, 0)
+        self.assertEqual(json.loads(result.stdout),
+                         {"name": "projects/%s/messages/0:1" % TEST_PROJECT})
+        self.assertEqual(self.server.requests[-1].json, {"message": {
+            "token": TOKEN,
+            "notification": {"title": "Hi", "body": "There",
+                             "image": "https://example.com/a.png"},
+            "data": {"order": "42", "query": "a=b"},
+        }, "validate_only": False})
+
+    def test_global_options_may_come_before_the_command(self) -> None:
+        result = self.andpush(*self.options(), "send", "--topic", "news", options=[])
+        self.assertExit(result, 0)
+        self.assertEqual(self.server.requests[-1].json["message"], {"topic": "news"})
+
+    def test_a_message_from_stdin_takes_the_flags_and_may_be_validated_only(self) -> None:
+        request = {"message": {"topic": "old", "data": {"kept": "yes"}}}
+        result = self.andpush("send", "--message", "-", "--condition", "'a' in topics",
+                              "--data", "added=1", "--validate-only", stdin=json.dumps(request))
+        self.assertExit(result, 0)
+        self.assertEqual(json.loads(result.stdout)["name"],
+                         "projects/%s/messages/fake_message_id" % TEST_PROJECT)
+        self.assertEqual(self.server.requests[-1].json, {"message": {
+            "condition": "'a' in topics", "data": {"kept": "yes", "added": "1"},
+        }, "validate_only": True})
+
+    def test_a_refused_message_exits_1_with_one_error_line_without_the_token(self) -> None:
+        self.server.by_token[TOKEN] = [fcm_error(404, "UNREGISTERED")]
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi")
+        line = self.assertErrorLine(result, 1, "UNREGISTERED", "delete it")
+        self.assertNotIn(TOKEN, line)
+        self.assertEqual(result.stdout, "")
+
+    def test_the_legacy_api_takes_its_server_key_from_the_environment(self) -> None:
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi", server_key=SERVER_KEY)
+        self.assertExit(result, 0)
+        self.assertEqual(json.loads(result.stdout)["success"], 1)
+        request = self.server.requests[-1]
+        self.assertEqual((request.path, request.headers["authorization"]),
+                         ("/fcm/send", "key=" + SERVER_KEY))
+        self.assertEqual(request.json, {"to": TOKEN, "notification": {"title": "Hi"}})
+        self.server.unregistered_tokens.add(TOKEN)
+        result = self.andpush("send", "--token", TOKEN, server_key=SERVER_KEY)
+        self.assertErrorLine(result, 1, "NotRegistered")
+        self.assertEqual(json.loads(result.stdout)["failure"], 1)
+        self.assertNotIn(SERVER_KEY, result.stdout + result.stderr)
+
+    def test_usage_errors_are_one_error_line_and_exit_2(self) -> None:
+        missing = os.path.join(self.folder, "missing.json")
+        table: List[Tuple[List[str], Optional[List[str]], str]] = [
+            # arguments, options (None: the usual ones), what the error line says
+            (["send", "--token", TOKEN, "--data", "order"], None, "expected KEY=VALUE"),
+            (["send", "--title", "Hi"], None, "no target"),
+            (["send", "--token", TOKEN, "--topic", "news"], None, "not allowed with"),
+            (["send", "--token", TOKEN, "--message", missing], None, "cannot read --message"),
+            (["send", "--token", TOKEN, "--credentials", missing], self.options(False),
+             "cannot read credentials file"),
+            (["send", "--token", TOKEN, "--server-key", SERVER_KEY], None,
+             "--credentials or --server-key"),
+            (["send", "--token", TOKEN, "--cafile", missing],
+             ["--credentials", self.key_file, "--endpoint", self.server.endpoint],
+             "cannot use --cafile"),
+            (["send", "--token", TOKEN, "--timeout", "-1"], None, "expected a positive number"),
+            (["send", "--token", TOKEN, "--data", "from=x"], None, "reserved"),
+        ]
+        for args, options, message in table:
+            with self.subTest(args[2:]):
+                self.assertErrorLine(self.andpush(*args, options=options), 2, message)
+        self.assertFalse(tokens_sent(self.server))
+
+
+class CliSendManyTest(CliTestCase):
+    def test_sends_to_every_token_of_a_file_and_sums_up_without_a_progress_bar(self) -> None:
+        tokens = self.write("tokens.txt", "# the test devices\nt1\n\n  t2  \nt3\n")
+        result = self.andpush("send-many", "--tokens", tokens, "--title", "Update",
+                              "--concurrency", "2", "--rate", "1000")
+        self.assertExit(result, 0)
+        self.assertEqual(sorted(tokens_sent(self.server)), ["t1", "t2", "t3"])
+        self.assertEqual(self.server.requests[-1].json["message"]["notification"],
+                         {"title": "Update"})
+        self.assertRegex(result.stderr.splitlines()[-1],
+                         r"^andpush: sent 3 of 3 messages in [0-9.]+s: [0-9,]+ messages/s$")
+        self.assertNotIn("\r", result.stderr)  # stderr is not a terminal: no bar
+        self.assertEqual(result.stdout, "")
+
+    def test_failures_exit_1_and_go_to_the_results_and_unregistered_files(self) -> None:
+        tokens = ["t%d" % i for i in range(20)]
+        faults: Dict[str, List[Action]] = {
+            "t3": [fcm_error(404, "UNREGISTERED")], "t9": [fcm_error(404, "UNREGISTERED")],
+            "t5": [fcm_error(400, "INVALID_ARGUMENT")],
+            "t7": [fcm_error(503, "UNAVAILABLE")],  # succeeds when retried
+        }
+        self.server.by_token.update(faults)
+        result = self.andpush("send-many", "--tokens", self.write("tokens.txt", "\n".join(tokens)),
+                              "--body", "Hello", "--concurrency", "4",
+                              "--results", os.path.join(self.folder, "results.jsonl"),
+                              "--unregistered", os.path.join(self.folder, "dead.txt"))
+        self.assertExit(result, 1)
+        records = [json.loads(line) for line in self.read("results.jsonl").splitlines()]
+        self.assertEqual([r["token"] for r in records], tokens)
+        self.assertEqual([r["token"] for r in records if not r["ok"]], ["t3", "t5", "t9"])
+        self.assertEqual(records[3]["status"], 404)
+        self.assertEqual(records[3]["error"], "UNREGISTERED")
+        self.assertEqual(records[5]["error"], "INVALID_ARGUMENT")
+        self.assertTrue(records[7]["ok"])
+        self.assertRegex(records[0]["message"], r"^projects/%s/messages/0:\d+$" % TEST_PROJECT)
+        self.assertEqual(self.read("dead.txt"), "t3\nt9\n")
+        self.assertIn("sent 17 of 20 messages, 3 failed (2 UNREGISTERED, 1 INVALID_ARGUMENT)",
+                      result.stderr)
+        self.assertIn("2 unregistered tokens written to", result.stderr)
+        self.assertEqual(tokens_sent(self.server).count("t7"), 2)
+
+    def test_tokens_from_stdin_and_results_to_stdout(self) -> None:
+        result = self.andpush("send-many", "--tokens", "-", "--results", "-", "--quiet",
+                              "--data", "k=v", stdin="a\nb\n")
+        self.assertExit(result, 0)
+        self.assertEqual([json.loads(line)["token"] for line in result.stdout.splitlines()],
+                         ["a", "b"])
+        self.assertIn("sent 2 of 2 messages", result.stderr)
+
+    def test_the_legacy_api_reports_not_registered_tokens(self) -> None:
+        self.server.unregistered_tokens.add("b")
+        dead = os.path.join(self.folder, "dead.txt")
+        result = self.andpush("send-many", "--tokens", "-", "--title", "Hi",
+                              "--unregistered", dead, stdin="a\nb\nc\n", server_key=SERVER_KEY)
+        self.assertExit(result, 1)
+        self.assertEqual(self.read("dead.txt"), "b\n")
+        self.assertIn("sent 2 of 3 messages, 1 failed (1 NotRegistered)", result.stderr)
+
+    def test_a_missing_or_undecodable_tokens_file_is_an_error_line_and_exit_2(self) -> None:
+        result = self.andpush("send-many", "--tokens", os.path.join(self.folder, "none.txt"))
+        self.assertErrorLine(result, 2, "cannot read the tokens file", "No such file")
+        result = self.andpush("send-many", "--tokens", self.write("bad.txt", b"\xff\xfe\n"))
+        self.assertExit(result, 2)
+        self.assertIn("cannot read the tokens file", result.stderr.splitlines()[-1])
+        self.assertFalse(tokens_sent(self.server))
+
+    def test_refused_credentials_stop_it_before_any_message(self) -> None:
+        key = self.write("other.json", json.dumps(
+            service_account_info(self.server, TEST_OTHER_RSA_KEY_PEM)))
+        result = self.andpush("send-many", "--tokens", "-", stdin="a\nb\n",
+                              options=["--credentials", key] + self.options(False))
+        self.assertErrorLine(result, 2, "credentials problem", "Invalid JWT Signature")
+        self.assertFalse(tokens_sent(self.server))
+
+    def test_a_wrong_project_stops_the_run_at_its_first_answer(self) -> None:
+        self.route("POST", "/v1/projects/nope/", fcm_error(404, None, "Requested entity was "
+                                                          "not found."))
+        tokens = self.write("tokens.txt", "".join("t%d\n" % i for i in range(1000)))
+        result = self.andpush("send-many", "--tokens", tokens, "--project-id", "nope",
+                              "--concurrency", "2")
+        self.assertExit(result, 2)
+        self.assertIn("check the project id", result.stderr.splitlines()[-1])
+        self.assertIn("sent 0 of 1 messages", result.stderr)
+        self.assertLess(self.server.processed, 100)
+
+    def test_a_message_file_with_a_target_is_refused(self) -> None:
+        message = self.write("message.json", json.dumps({"topic": "news"}))
+        result = self.andpush("send-many", "--tokens", "-", "--message", message, stdin="a\n")
+        self.assertErrorLine(result, 2, "must have no target")
+
+    @unittest.skipIf(os.name != "posix", "sends SIGINT")
+    def test_ctrl_c_stops_cleanly_sums_up_and_exits_130(self) -> None:
+        self.server.reply_delay = 0.02
+        tokens = self.write("tokens.txt", "".join("t%d\n" % i for i in range(2000)))
+        results = os.path.join(self.folder, "results.jsonl")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "andpush", "send-many", "--tokens", tokens, "--results",
+             results, "--concurrency", "2", *self.options()],
+            cwd=_REPO, env=self.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+            # Python turns SIGINT into KeyboardInterrupt only when it is not ignored.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        self.addCleanup(process.kill)
+        deadline = time.monotonic() + _CLI_TIMEOUT
+        while len(tokens_sent(self.server)) < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=_CLI_TIMEOUT)
+        self.assertEqual(process.returncode, 130, stderr)
+        self.assertNotIn("Traceback", stderr)
+        self.assertIn("interrupted: the remaining tokens were not sent", stderr)
+        # Ctrl-C may land between counting an outcome and writing its line.
+        written = len(self.read("results.jsonl").splitlines())
+        counted = int(re.search(r"sent (\d+) of \1 messages", stderr).group(1))  # type: ignore
+        self.assertIn(counted - written, (0, 1))
+        self.assertGreater(counted, 0)
+        self.assertLess(len(tokens_sent(self.server)), 2000)
+
+
+class CliTopicTest(CliTestCase):
+    def test_subscribe_tokens_from_a_file_and_flags(self) -> None:
+        tokens = self.write("tokens.txt", "a\n# not this one\nb\n")
+        result = self.andpush("subscribe", "--topic", "news", "--tokens", tokens, "--token", "c")
+        self.assertExit(result, 0)
+        self.assertEqual(self.server.subscriptions, {("a", "news"), ("b", "news"), ("c", "news")})
+        self.assertEqual(result.stderr, "andpush: subscribed 3 of 3 tokens to topic 'news'\n")
+
+    def test_unsubscribe_tokens_from_stdin(self) -> None:
+        self.server.subscriptions.update({("a", "news"), ("b", "news"), ("b", "sport")})
+        result = self.andpush("unsubscribe", "--topic", "news", "--tokens", "-", stdin="a\nb\n")
+        self.assertExit(result, 0)
+        self.assertEqual(self.server.subscriptions, {("b", "sport")})
+        self.assertIn("unsubscribed 2 of 2 tokens from topic 'news'", result.stderr)
+
+    def test_each_failed_token_gets_a_line_by_its_position_and_exit_1(self) -> None:
+        secret = "refused-device-token"
+        self.route("POST", "/v1/projects/%s/registrations/%s" % (TEST_PROJECT, secret),
+                   fcm_error(400, "INVALID_ARGUMENT"))
+        result = self.andpush("subscribe", "--topic", "news", "--token", "a", "--token", secret)
+        self.assertExit(result, 1)
+        self.assertEqual(result.stderr.splitlines(), [
+            "andpush: token 2 of 2: HTTP 400 Bad Request (INVALID_ARGUMENT): error 400",
+            "andpush: subscribed 1 of 2 tokens to topic 'news'; 1 failed",
+        ])
+        self.assertEqual(self.server.subscriptions, {("a", "news")})
+
+    def test_no_tokens_or_the_legacy_api_are_usage_errors(self) -> None:
+        self.assertErrorLine(self.andpush("subscribe", "--topic", "news"), 2, "no device tokens")
+        result = self.andpush("subscribe", "--topic", "news", "--token", "a",
+                              server_key=SERVER_KEY)
+        self.assertErrorLine(result, 2, "needs the v1 API")
+
+
+class CliTokenTest(CliTestCase):
+    def test_prints_an_access_token_for_curl(self) -> None:
+        result = self.andpush("token")
+        self.assertExit(result, 0)
+        self.assertEqual(result.stdout, self.server.issued[0] + "\n")
+        self.assertEqual(result.stderr, "")
+
+    def test_the_legacy_api_has_no_access_token_and_shows_no_key(self) -> None:
+        result = self.andpush("token", server_key=SERVER_KEY)
+        line = self.assertErrorLine(result, 2, "no access tokens")
+        self.assertNotIn(SERVER_KEY, line)
+
+
+class CliCheckTest(CliTestCase):
+    def test_working_credentials_and_project_say_so(self) -> None:
+        result = self.andpush("check")
+        self.assertExit(result, 0)
+        self.assertIn("project       %s\n" % TEST_PROJECT, result.stdout)
+        self.assertIn("The credentials and project work.", result.stdout)
+        self.assertEqual(self.server.requests[-1].json,
+                         {"message": {"topic": "andpush-check"}, "validate_only": True})
+
+    def test_with_a_token_it_validates_a_message_to_that_token(self) -> None:
+        self.assertExit(self.andpush("check", "--token", TOKEN), 0)
+        self.assertEqual(self.server.requests[-1].json["message"], {"token": TOKEN})
+        self.server.by_token[TOKEN] = [fcm_error(404, "UNREGISTERED")]
+        result = self.andpush("check", "--token", TOKEN)
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("The credentials and project work; the device token does not.",
+                      result.stdout)
+        self.assertIn("no longer valid", result.stderr)
+
+    def test_each_kind_of_problem_is_explained_with_exit_2(self) -> None:
+        refused_key = self.write("refused.json", json.dumps(
+            service_account_info(self.server, TEST_OTHER_RSA_KEY_PEM)))
+        unreachable = dict(service_account_info(self.server),
+                           token_uri="https://127.0.0.1:%d/token" % _closed_port())
+        unreachable_key = self.write("unreachable.json", json.dumps(unreachable))
+        self.route("POST", "/v1/projects/nope/", fcm_error(404, None))
+        self.route("POST", "/v1/projects/locked/", fcm_error(403, None, "Permission denied"))
+        table = [
+            # the options that cause the problem, what the error line says
+            (["--credentials", refused_key], "credentials problem"),
+            (["--credentials", unreachable_key], "network problem: could not connect"),
+            (["--project-id", "nope"], "check the project id"),
+            (["--project-id", "locked"], "cloudmessaging.messages.create"),
+        ]
+        for options, explanation in table:
+            with self.subTest(explanation):
+                result = self.andpush("check", options=self.options() + options)
+                self.assertErrorLine(result, 2, explanation)
+                self.assertNotIn("The credentials and project work", result.stdout)
+
+
+class CliProgressTest(unittest.TestCase):
+    """send-many's progress display, socket-free, on a fake clock and stream."""
+
+    class Stream:
+        def __init__(self, terminal: bool) -> None:
+            self.terminal = terminal
+            self.text = ""
+            self.lock = threading.Lock()
+            self.writers = 0  # how many threads are inside write() now
+            self.most_writers = 0
+
+        def write(self, text: str) -> int:
+            with self.lock:
+                self.writers += 1
+                self.most_writers = max(self.most_writers, self.writers)
+            self.text += text
+            with self.lock:
+                self.writers -= 1
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return self.terminal
+
+        def fileno(self) -> int:
+            raise OSError("no file descriptor")
+
+    def progress(self, terminal: bool, total: Optional[int]) -> Tuple[Any, Any, List[float]]:
+        stream = self.Stream(terminal)
+        now = [1000.0]
+        return andpush._Progress(stream, total, False, clock=lambda: now[0]), stream, now
+
+    def test_on_a_terminal_a_bar_is_redrawn_in_place_ten_times_a_second_at_most(self) -> None:
+        progress, stream, now = self.progress(terminal=True, total=1000)
+        progress.update(1, 0)
+        self.assertTrue(stream.text.startswith("\r[" + "-" * 20 + "] 1/1,000 (0%), 0 failed"))
+        progress.update(2, 0)
+        self.assertEqual(stream.text.count("\r"), 1)
+        now[0] = 1005.0
+        progress.update(500, 3)
+        self.assertIn("\r[#########----------] 500/1,000 (50%), 3 failed, 100/s, 5.0s "
+                      "elapsed, 5.0s left\x1b[K", stream.text)
+        progress.finish(1000, 7)
+        self.assertTrue(stream.text.endswith("1,000/1,000 (100%), 7 failed, 200/s, 5.0s "
+                                             "elapsed\x1b[K\n"))
+        progress.update(1000, 7)
+        self.assertEqual(stream.text.count("\r"), 3)
+        drawn = stream.text.replace("\x1b[K", "").replace("\n", "").split("\r")
+        self.assertLessEqual(max(len(line) for line in drawn), 79)  # 80 columns: no wrapping
+
+    def test_without_a_terminal_a_plain_line_every_two_seconds(self) -> None:
+        progress, stream, now = self.progress(terminal=False, total=None)
+        progress.update(1, 0)
+        now[0] = 1001.9
+        progress.update(2, 0)
+        self.assertEqual(stream.text, "")
+        now[0] = 1002.0
+        progress.update(100, 1)
+        self.assertEqual(stream.text, "andpush: 100 done, 1 failed, 50/s, 2.0s elapsed\n")
+        progress.finish(200, 1)
+        self.assertNotIn("\r", stream.text)
+        self.assertEqual(stream.text.count("\n"), 1)
+
+    def test_updates_from_many_threads_draw_one_at_a_time(self) -> None:
+        stream = self.Stream(terminal=True)
+        progress = andpush._Progress(stream, 8000, False)
+        counter = iter(range(1, 8001))
+
+        def send() -> None:
+            for _ in range(1000):
+                progress.update(next(counter), 0)
+
+        threads = [threading.Thread(target=send) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        progress.finish(8000, 0)
+        self.assertEqual(stream.most_writers, 1)
+        self.assertIn("8,000/8,000 (100%)", stream.text.rpartition("\r")[2])
+        self.assertTrue(stream.text.endswith("\n"))
+
+    def test_summary_and_durations(self) -> None:
+        self.assertEqual(
+            andpush._summary(9600, {"INVALID_ARGUMENT": 100, "UNREGISTERED": 300}, 4.0),
+            "sent 9,600 of 10,000 messages, 400 failed (300 UNREGISTERED, 100 INVALID_ARGUMENT) "
+            "in 4.0s: 2,500 messages/s")
+        self.assertEqual(andpush._summary(0, {}, 0.0), "sent 0 of 0 messages in 0.0s: - messages/s")
+        for seconds, text in ((4.25, "4.2s"), (59.9, "59.9s"), (65, "1:05"), (3725, "1:02:05")):
+            self.assertEqual(andpush._duration(seconds), text)
 
 
 if __name__ == "__main__":
