@@ -2441,7 +2441,9 @@ class _V1API:
 
 #: Messages in flight at once in push_many, by default.
 DEFAULT_CONCURRENCY = 50
-_WINDOW_PER_WORKER = 4  # outcomes push_many may hold per worker, in flight or unconsumed
+# Outcomes push_many may hold per message in flight, sent or waiting to be consumed: room
+# for the rest to go on while one waits out a retry's backoff, yet bounded.
+_WINDOW_PER_WORKER = 64
 
 Outcome = Union[Response, Exception]
 
