@@ -1949,7 +1949,8 @@ class _H2Connection:
         self.streams: Dict[int, _H2Stream] = {}
         self.finished: List[_H2Stream] = []
         self._next_id = 1
-        self._max_streams = 100            # until the server's SETTINGS say otherwise
+        self._max_streams = 0              # none until the server's SETTINGS say how many
+        self.settled = False               # the server's SETTINGS have come
         self._peer_window = _H2_DEFAULT_WINDOW
         self._peer_initial_window = _H2_DEFAULT_WINDOW
         self._peer_frame = _H2_FRAME
@@ -2139,6 +2140,9 @@ class _H2Connection:
             self._complete(stream)
 
     def _on_settings(self, payload: bytes) -> None:
+        if not self.settled:
+            self.settled = True
+            self._max_streams = _H2_LAST_STREAM  # unless it says otherwise, just below
         for offset in range(0, len(payload) - 5, 6):
             name = int.from_bytes(payload[offset:offset + 2], "big")
             value = int.from_bytes(payload[offset + 2:offset + 6], "big")
@@ -2874,6 +2878,8 @@ class _H2Sender:
         for connection in self._connections:
             if connection.free_streams:
                 return connection
+        if any(not c.settled for c in self._connections):
+            return None  # wait for its SETTINGS: it may have room
         if sum(len(c.streams) for c in self._connections) >= self._concurrency:
             return None
         try:

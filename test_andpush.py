@@ -7,6 +7,7 @@ the server processed.
 """
 
 import base64
+import collections
 import contextlib
 import datetime
 import email.utils
@@ -3605,6 +3606,997 @@ class CliProgressTest(unittest.TestCase):
         self.assertEqual(andpush._summary(0, {}, 0.0), "sent 0 of 0 messages in 0.0s: - messages/s")
         for seconds, text in ((4.25, "4.2s"), (59.9, "59.9s"), (65, "1:05"), (3725, "1:02:05")):
             self.assertEqual(andpush._duration(seconds), text)
+
+
+
+# HTTP/2: FakeFCM2, the same fake spoken over h2 ##############################################
+# FakeGoogle's routes, injected actions and by_token served over HTTP/2 (TLS, ALPN "h2"),
+# plus misbehaviours that only HTTP/2 has. The sans-I/O h2 package does the framing and
+# HPACK; it is a test-only dependency (pip install h2), and without it these tests are
+# skipped with the reason shown. andpush itself needs nothing.
+#
+# Each connection is served by one thread running a selector loop: every stream's answer
+# (reply_delay, SLOW) waits in a timer heap, so one connection holds any number of delayed
+# streams without a thread each.
+
+import heapq  # noqa: E402 (or among the imports at the top)
+
+try:
+    import h2.config
+    import h2.connection
+    import h2.errors
+    import h2.events
+    import h2.exceptions
+    import h2.settings  # h2.settings.SettingCodes names the keys of settings_received
+    import hyperframe.frame  # h2's own dependency
+except ImportError:
+    h2 = None  # type: ignore[assignment]
+    hyperframe = None  # type: ignore[assignment]
+
+#: Decorator for tests (or test classes) that need FakeFCM2.
+requires_h2 = unittest.skipIf(
+    h2 is None, "the h2 package is not installed (pip install h2): HTTP/2 tests skipped"
+)
+
+# HTTP/2 misbehaviours for FakeFCM2.inject(), each for one stream. A stream takes its action
+# when its HEADERS arrive (arrival order across all connections, like FakeFCM); a stream that
+# took one but is never recorded (above a GOAWAY's last_stream_id, reset by the client, cut
+# off by the connection's end) gives it back to the front of the queue, except REFUSE_STREAM
+# and RESET_BEFORE_READ, which are used up.
+#: Answer RST_STREAM(REFUSED_STREAM) as soon as the HEADERS arrive; not recorded.
+REFUSE_STREAM = "REFUSE_STREAM"
+#: Read the whole request (recorded), then RST_STREAM(INTERNAL_ERROR) instead of an answer.
+RESET_STREAM_AFTER_READ = "RESET_STREAM_AFTER_READ"
+#: Read the request (recorded), send GOAWAY(NO_ERROR, last_stream_id = the highest stream
+#: recorded on the connection: this one), answer it and every stream up to that id, ignore
+#: the streams above it (not recorded), then close (close_notify, FIN).
+GOAWAY_AFTER_READ = "GOAWAY_AFTER_READ"
+#: Read the request (recorded), then close the connection with streams in flight: what was
+#: already queued is sent, then FIN without GOAWAY or close_notify (RST if bytes are unread).
+DROP_CONNECTION_AFTER_READ = "DROP_CONNECTION_AFTER_READ"
+H2_MISBEHAVIOURS = (
+    REFUSE_STREAM,
+    RESET_STREAM_AFTER_READ,
+    GOAWAY_AFTER_READ,
+    DROP_CONNECTION_AFTER_READ,
+)
+#: What FakeFCM2.inject() takes besides a Reply: the HTTP/2 misbehaviours and those of
+#: FakeFCM's that mean something in HTTP/2. RESET_BEFORE_READ and RESET_AFTER_READ reset the
+#: whole TCP connection (RST), TRUNCATED_BODY sends half the body that content-length
+#: promises and then END_STREAM; SLOW, NON_JSON and HUGE_BODY are as in FakeFCM.
+H2_ACTIONS = H2_MISBEHAVIOURS + (
+    RESET_BEFORE_READ, RESET_AFTER_READ, SLOW, TRUNCATED_BODY, NON_JSON, HUGE_BODY,
+)
+
+_H2_FRAME_NAMES = {
+    0x0: "DATA", 0x1: "HEADERS", 0x2: "PRIORITY", 0x3: "RST_STREAM", 0x4: "SETTINGS",
+    0x5: "PUSH_PROMISE", 0x6: "PING", 0x7: "GOAWAY", 0x8: "WINDOW_UPDATE", 0x9: "CONTINUATION",
+}
+_H2_PREFACE_SIZE = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_H2_SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
+_H2_SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+_H2_SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
+_H2_MAX_HEADER_LIST = 64 * 1024  # bytes of decoded request headers accepted (advertised)
+_H2_UNLIMITED = 2**31 - 1
+_H2_DEFAULT_WINDOW = 65535
+_H2_REFUSED_STREAM = 0x7
+_H2_INTERNAL_ERROR = 0x2
+_H2_FLOW_CONTROL_ERROR = 0x3
+_H2_NOT_FORWARDED = frozenset(
+    ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te",
+     "content-length"]
+)
+_H2_SPLIT_SIZES = (1, 2, 3, 5, 8, 13, 21)  # bytes per TLS record with split_tls_records
+_H2_WRITE_SIZE = 64 * 1024  # bytes per send() otherwise
+_H2_OUTBUF_HIGH = 1024 * 1024  # stop feeding DATA frames while this much waits to be sent
+_H2_POLL = 0.25  # longest select() wait: how soon a connection notices close()
+_H2_LINGER = 1.0  # seconds a closing connection waits for queued bytes, and for the client
+_H2_TABLE_SIZE = 4096  # HPACK dynamic table size forced by use_dynamic_table
+
+
+class H2Request(Request):
+    """A request that came over HTTP/2: Request plus its stream id and pseudo-headers."""
+
+    def __init__(
+        self,
+        stream_id: int,
+        pseudo: Dict[str, str],
+        headers: Dict[str, str],
+        body: bytes,
+        connection: int,
+    ) -> None:
+        # path is :path; headers has the regular fields only (lower-case, as HTTP/2 sends
+        # them), pseudo the ones starting with ":" (":authority", ":scheme", ...).
+        super().__init__(
+            pseudo.get(":method", ""), pseudo.get(":path", ""), headers, body, "HTTP/2",
+            connection,
+        )
+        self.stream_id = stream_id
+        self.pseudo = pseudo
+
+    def __repr__(self) -> str:
+        return (
+            f"H2Request({self.method!r}, {self.path!r}, connection={self.connection}, "
+            f"stream={self.stream_id}, {len(self.body)} body bytes)"
+        )
+
+
+def h2_client_context() -> ssl.SSLContext:
+    """client_context() offering h2 first, then http/1.1, by ALPN."""
+    context = client_context()
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    return context
+
+
+class _H2Close(Exception):
+    """End the connection now: how ("graceful", "drop", "reset") is the argument."""
+
+
+class _FrameTally:
+    """Counts HTTP/2 frames by type name in a byte stream that arrives in arbitrary pieces."""
+
+    def __init__(self, counts: Dict[str, int], lock: threading.Lock, skip: int = 0) -> None:
+        self.counts = counts
+        self.lock = lock
+        self.skip = skip  # bytes to pass over: the client preface, then each frame's payload
+        self.head = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        position, size, names = 0, len(data), []
+        while position < size:
+            if self.skip:
+                step = min(self.skip, size - position)
+                self.skip -= step
+                position += step
+                continue
+            step = min(9 - len(self.head), size - position)
+            self.head += data[position : position + step]
+            position += step
+            if len(self.head) == 9:
+                names.append(_H2_FRAME_NAMES.get(self.head[3], "0x%02x" % self.head[3]))
+                self.skip = int.from_bytes(self.head[:3], "big")
+                self.head.clear()
+        if names:
+            with self.lock:
+                for name in names:
+                    self.counts[name] = self.counts.get(name, 0) + 1
+
+
+_H2ConnectionBase: Any = h2.connection.H2Connection if h2 is not None else object
+
+
+class _H2ServerConnection(_H2ConnectionBase):
+    """h2's connection, minus its per-stream count of open streams (a walk over all of them).
+
+    FakeFCM2 counts and limits streams itself; h2 would refuse a stream beyond its own
+    MAX_CONCURRENT_STREAMS (100) with a connection error, from the first byte on.
+    """
+
+    @property
+    def open_inbound_streams(self) -> int:
+        return 0
+
+    def forget_closed_streams(self) -> None:
+        """h2's own sweep of closed streams, which its count did as it went."""
+        _H2ConnectionBase.open_inbound_streams.fget(self)
+
+
+class _H2Stream:
+    """One request stream as a connection of FakeFCM2 serves it."""
+
+    def __init__(self, stream_id: int, headers: List[Tuple[bytes, bytes]], action: Any) -> None:
+        self.id = stream_id
+        self.headers = headers
+        self.action: Optional[Action] = action
+        self.body = bytearray()
+        self.received = 0  # flow-controlled bytes received: DATA payloads plus padding
+        self.stalled = False  # its body filled the stall_window window
+        self.request: Optional[H2Request] = None  # set once read whole, i.e. recorded
+        self.out: Optional[memoryview] = None  # body bytes still to send
+
+
+class FakeFCM2(FakeGoogle):
+    """FakeGoogle over HTTP/2 (TLS, ALPN). Use: with FakeFCM2() as server: ... (needs h2).
+
+    A connection whose TLS handshake selects "h2" is served here; any other (a client that
+    does not offer h2, when alpn includes "http/1.1" or the client offers no ALPN at all)
+    gets FakeFCM's HTTP/1.1 service. Each completed stream becomes an H2Request (version
+    "HTTP/2") in self.requests and is answered like FakeFCM answers: injected action, then
+    by_token, then routes. Settings knobs are read when each connection starts, the others
+    when they are used. All counters may be read at any time.
+
+    reply_delay and SLOW's slow_seconds hold one stream's answer without holding anything
+    else. close_idle_after: a connection with no stream open for that long gets GOAWAY
+    and is closed. close_every is HTTP/1.1's only.
+    """
+
+    def __init__(self, alpn: Tuple[str, ...] = ("h2",), max_concurrent_streams: int = 100) -> None:
+        if h2 is None:
+            raise RuntimeError("FakeFCM2 needs the h2 package (pip install h2)")
+        super().__init__(tls=True)
+        self.alpn = tuple(alpn)
+        self.ssl_context.set_alpn_protocols(list(self.alpn))
+        # What tests set; read when each connection starts.
+        # MAX_CONCURRENT_STREAMS in the server's first SETTINGS. Limits bind once the client
+        # has ACKed the SETTINGS that set them (before that it may use the old value): a
+        # stream beyond the ACKed limit gets RST_STREAM(REFUSED_STREAM), unrecorded, and
+        # counts in stream_limit_violations.
+        self.max_concurrent_streams = max_concurrent_streams
+        # (n, smaller): once n streams are recorded on a connection, a second SETTINGS
+        # lowers MAX_CONCURRENT_STREAMS to smaller.
+        self.shrink_max_concurrent_streams_to: Optional[Tuple[int, int]] = None
+        # n: once n streams are recorded on a connection, GOAWAY as GOAWAY_AFTER_READ does.
+        self.goaway_after: Optional[int] = None
+        # Ignore the client's SETTINGS_HEADER_TABLE_SIZE (0 or not): every header block from
+        # the next one on is HPACK with a 4096-byte dynamic table, the first one beginning
+        # with the table size updates 20 3f e1 1f (to 0, to 4096) when the client asked for
+        # 0, which a strict decoder rejects (COMPRESSION_ERROR); answers also carry date,
+        # vary, server, x-... and x-fake: <answer number> fields, so entries are indexed,
+        # reused (0x80|index) and evicted.
+        self.use_dynamic_table = False
+        # SETTINGS_INITIAL_WINDOW_SIZE stall_window_size and no WINDOW_UPDATE at all until
+        # release_window(), which sends SETTINGS_INITIAL_WINDOW_SIZE 65535 and gives the held
+        # bytes back. Bytes sent before the client ACKed the SETTINGS may use the default
+        # 65535; a stream that sends beyond its window after that gets RST_STREAM
+        # (FLOW_CONTROL_ERROR), unrecorded, and counts in flow_control_violations.
+        self.stall_window = False
+        self.stall_window_size = 16
+        # What tests set; read as they are used.
+        # Header blocks cut into a HEADERS frame and CONTINUATION frames of
+        # continuation_fragment bytes (END_STREAM on the HEADERS of a body-less answer).
+        self.continuation = False
+        self.continuation_fragment = 10
+        # Everything written in TLS records of 1, 2, 3, 5, 8, 13, 21, 1, ... bytes, one
+        # send() each: frame headers and HPACK strings end up split across records.
+        self.split_tls_records = False
+        # What tests read (besides FakeFCM's connections, handshakes, requests, errors).
+        self.protocols: List[Optional[str]] = []  # ALPN result of each handshake, in order
+        self.settings_received: List[Dict[int, int]] = []  # the client's SETTINGS frames
+        self.frames_received: Dict[str, int] = {}  # frames by type name ("HEADERS", ...)
+        self.frames_sent: Dict[str, int] = {}
+        self.streams_refused = 0  # RST_STREAM(REFUSED_STREAM) sent, for any reason
+        self.stream_limit_violations = 0  # streams opened beyond an acknowledged limit
+        self.flow_control_violations = 0  # streams that sent beyond their stalled window
+        self.max_open_streams_seen = 0  # most streams open at once on one connection
+        self.stalled_streams = 0  # streams whose body filled the stall_window window
+        self.streams_reset_by_client = 0
+        self.goaways_sent = 0
+        self.goaways_received = 0
+        self.pings_received = 0
+        self.protocol_errors: List[str] = []  # h2's complaints about what clients sent
+        # Internals.
+        self._window_released = threading.Event()
+        self._wakers: Set[socket.socket] = set()
+        self._answers = 0
+
+    def inject(self, *actions: Action) -> None:
+        """Queue answers for the next streams, across all connections, in arrival order."""
+        for action in actions:
+            if not isinstance(action, Reply) and action not in H2_ACTIONS:
+                raise ValueError(f"not a Reply nor an HTTP/2 action: {action!r}")
+        with self._lock:
+            self._actions.extend(actions)
+
+    def release_window(self) -> None:
+        """End stall_window: every connection gives the client its windows back, for good."""
+        self._window_released.set()
+        with self._lock:
+            wakers = list(self._wakers)
+        for waker in wakers:
+            try:
+                waker.send(b"w")
+            except OSError:
+                pass
+
+    def _give_back(self, actions: List[Action]) -> None:
+        with self._lock:
+            self._actions.extendleft(reversed(actions))
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + amount)
+
+    def _converse(self, conn: ssl.SSLSocket, number: int) -> None:
+        protocol = conn.selected_alpn_protocol()
+        with self._lock:
+            self.protocols.append(protocol)
+        if protocol != "h2":
+            super()._converse(conn, number)
+            return
+        _H2Session(self, conn, number).run()
+
+
+class _H2Session:
+    """One HTTP/2 connection of FakeFCM2: a selector loop over the socket, h2 and timers."""
+
+    def __init__(self, server: FakeFCM2, sock: ssl.SSLSocket, number: int) -> None:
+        self.server = server
+        self.sock = sock
+        self.number = number
+        self.limit = server.max_concurrent_streams
+        self.shrink = server.shrink_max_concurrent_streams_to
+        self.goaway_after = server.goaway_after
+        self.dynamic_table = server.use_dynamic_table
+        self.stalling = server.stall_window and not server._window_released.is_set()
+        config = h2.config.H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            # The client's headers are checked (a ProtocolError lands in protocol_errors);
+            # the answers are made here, lower-case already, and sent as they are.
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        )
+        self.conn = _H2ServerConnection(config=config)
+        self.unacked: Deque[Dict[int, int]] = deque()  # SETTINGS sent, not yet acknowledged
+        self.acked_limit = _H2_UNLIMITED  # MAX_CONCURRENT_STREAMS the client must respect
+        self.acked_window = _H2_DEFAULT_WINDOW  # INITIAL_WINDOW_SIZE the client must respect
+        self.streams: Dict[int, _H2Stream] = {}  # live streams with an action slot
+        self.open: Set[int] = set()  # streams opened and not yet ended by this side
+        self.sending: Dict[int, _H2Stream] = {}  # streams with body bytes still to send
+        self.held: Dict[int, int] = {}  # bytes received, not given back (stall_window)
+        self.timers: List[Tuple[float, int, int]] = []  # (due, sequence, stream id)
+        self.sequence = 0
+        self.recorded = 0
+        self.highest_recorded = 0
+        self.goaway_last: Optional[int] = None
+        self.active = time.monotonic()  # when a stream was last open (close_idle_after)
+        self.outbuf = bytearray()
+        self.attempt = 0  # bytes offered to the last send() that wanted a retry
+        self.split_index = 0
+        self.sent_tally = _FrameTally(server.frames_sent, server._lock)
+        self.received_tally = _FrameTally(server.frames_received, server._lock, _H2_PREFACE_SIZE)
+        self.selector = selectors.DefaultSelector()
+        self.wake_r, self.wake_w = socket.socketpair()
+
+    # Life cycle ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        server = self.server
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        with server._lock:
+            server._wakers.add(self.wake_w)
+        try:
+            self._serve()
+        finally:
+            with server._lock:
+                server._wakers.discard(self.wake_w)
+            self.selector.close()
+            self.wake_r.close()
+            self.wake_w.close()
+            unused = [s.action for _, s in sorted(self.streams.items()) if s.request is None]
+            server._give_back([action for action in unused if action is not None])
+
+    def _serve(self) -> None:
+        self.sock.setblocking(False)
+        self.conn.initiate_connection()
+        self.conn.data_to_send()  # h2's SETTINGS, replaced by this server's own
+        settings = {
+            _H2_SETTINGS_MAX_CONCURRENT_STREAMS: self.limit,
+            _H2_SETTINGS_MAX_HEADER_LIST_SIZE: _H2_MAX_HEADER_LIST,
+        }
+        if self.stalling:
+            settings[_H2_SETTINGS_INITIAL_WINDOW_SIZE] = self.server.stall_window_size
+        self._send_settings(settings)
+        self.selector.register(self.sock, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        watching_writes = False
+        try:
+            readable = True  # bytes may have come with the handshake
+            while not self.server._stopping.is_set():
+                if readable and not self._read():
+                    return  # the client closed the connection
+                self._check_release()
+                self._run_timers()
+                self._pump()
+                self._queue_h2()
+                self._flush()
+                if len(self.conn.streams) > 2 * len(self.open) + 100:
+                    self.conn.forget_closed_streams()
+                if self.goaway_last is not None and not self.open and not self.outbuf:
+                    raise _H2Close("graceful")
+                if bool(self.outbuf) != watching_writes:
+                    watching_writes = bool(self.outbuf)
+                    mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if watching_writes else 0)
+                    self.selector.modify(self.sock, mask)
+                now = time.monotonic()
+                timeout = _H2_POLL
+                if self.timers:
+                    timeout = min(timeout, max(0.0, self.timers[0][0] - now))
+                idle_limit = self.server.close_idle_after
+                if idle_limit is not None and not self.open and self.goaway_last is None:
+                    if now - self.active >= idle_limit:
+                        self._goaway()
+                        continue
+                    timeout = min(timeout, self.active + idle_limit - now)
+                readable = False
+                for key, mask in self.selector.select(timeout):
+                    if key.fileobj is self.wake_r:
+                        self._drain_wake()
+                    elif mask & selectors.EVENT_READ:
+                        readable = True
+                if self.open:
+                    self.active = time.monotonic()
+        except _H2Close as close:
+            self._close(str(close))
+
+    def _close(self, how: str) -> None:
+        if how == "reset":
+            _reset(self.sock)
+            return
+        self._queue_h2()
+        self._flush_for(_H2_LINGER)
+        if how == "graceful":
+            try:
+                self.sock.unwrap()  # sends close_notify; non-blocking, it returns at once
+            except (OSError, ValueError):
+                pass
+            try:
+                socket.socket.shutdown(self.sock, socket.SHUT_WR)
+            except OSError:
+                pass
+            self._drain_raw(_H2_LINGER)  # until the client closes too: no RST for late bytes
+        else:
+            self._drain_raw(0.0)  # "drop": FIN without close_notify, once the caller closes
+
+    def _drain_wake(self) -> None:
+        try:
+            while self.wake_r.recv(64):
+                pass
+        except OSError:
+            pass
+
+    def _drain_raw(self, patience: float) -> None:
+        """Read and drop raw bytes until EOF or patience seconds, so close() sends FIN."""
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                if not socket.socket.recv(self.sock, 65536):
+                    return
+                continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.server._stopping.is_set():
+                return
+            self.selector.modify(self.sock, selectors.EVENT_READ)
+            self.selector.select(min(remaining, _H2_POLL))
+
+    # Reading ----------------------------------------------------------------------------------
+
+    def _read(self) -> bool:
+        """Feed h2 all that has arrived; False once the client has closed the connection."""
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            self.received_tally.feed(data)
+            try:
+                events = self.conn.receive_data(data)
+            except h2.exceptions.ProtocolError as error:
+                with self.server._lock:
+                    self.server.protocol_errors.append(f"{type(error).__name__}: {error}")
+                raise _H2Close("graceful") from None  # h2 has queued its GOAWAY
+            for event in events:
+                self._handle(event)
+
+    def _handle(self, event: Any) -> None:
+        server = self.server
+        if isinstance(event, h2.events.RequestReceived):
+            self._on_request(event.stream_id, list(event.headers))
+        elif isinstance(event, h2.events.DataReceived):
+            self._on_data(event.stream_id, event.data, event.flow_controlled_length)
+        elif isinstance(event, h2.events.StreamEnded):
+            self._on_end(event.stream_id)
+        elif isinstance(event, h2.events.StreamReset):
+            if event.remote_reset:
+                server._count("streams_reset_by_client")
+                self._forget(event.stream_id)
+        elif isinstance(event, h2.events.RemoteSettingsChanged):
+            changes = event.changed_settings.items()
+            values = {int(code): change.new_value for code, change in changes}
+            with server._lock:
+                server.settings_received.append(values)
+            if self.dynamic_table:
+                # h2 has just set its encoder to the client's HEADER_TABLE_SIZE; set it back,
+                # so the next header block begins with table size updates and then indexes.
+                self.conn.encoder.header_table_size = _H2_TABLE_SIZE
+        elif isinstance(event, h2.events.SettingsAcknowledged):
+            if self.unacked:
+                values = self.unacked.popleft()
+                self.acked_limit = values.get(_H2_SETTINGS_MAX_CONCURRENT_STREAMS, self.acked_limit)
+                self.acked_window = values.get(_H2_SETTINGS_INITIAL_WINDOW_SIZE, self.acked_window)
+        elif isinstance(event, h2.events.PingReceived):
+            server._count("pings_received")
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            server._count("goaways_received")
+            raise _H2Close("graceful")  # h2 sends nothing more once the client said GOAWAY
+
+    def _on_request(self, stream_id: int, headers: List[Tuple[bytes, bytes]]) -> None:
+        server = self.server
+        if self.goaway_last is not None and stream_id > self.goaway_last:
+            return  # after GOAWAY: ignored, as the client must know
+        if len(self.open) >= self.acked_limit:
+            server._count("stream_limit_violations")
+            self._refuse(stream_id)
+            return
+        action = server._next_action()
+        if action == RESET_BEFORE_READ:
+            raise _H2Close("reset")
+        if action == REFUSE_STREAM:
+            self._refuse(stream_id)
+            return
+        self.streams[stream_id] = _H2Stream(stream_id, headers, action)
+        self.open.add(stream_id)
+        if len(self.open) > server.max_open_streams_seen:
+            with server._lock:
+                server.max_open_streams_seen = max(server.max_open_streams_seen, len(self.open))
+
+    def _on_data(self, stream_id: int, data: bytes, size: int) -> None:
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.request is not None:
+            self._acknowledge(stream_id, size)  # an ignored stream's bytes: give them back
+            return
+        stream.body += data
+        stream.received += size
+        if not self.stalling:
+            self._acknowledge(stream_id, size)
+            return
+        self.held[stream_id] = self.held.get(stream_id, 0) + size
+        if stream.received > self.acked_window:  # no WINDOW_UPDATE was sent while stalling
+            self.server._count("flow_control_violations")
+            self._forget(stream_id)
+            self._reset_stream(stream_id, _H2_FLOW_CONTROL_ERROR)
+        elif stream.received >= self.server.stall_window_size and not stream.stalled:
+            stream.stalled = True
+            self.server._count("stalled_streams")
+
+    def _on_end(self, stream_id: int) -> None:
+        server = self.server
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.request is not None:
+            return  # ignored after GOAWAY, refused, or reset
+        pseudo: Dict[str, str] = {}
+        headers: Dict[str, str] = {}
+        for raw_name, raw_value in stream.headers:
+            name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+            if name.startswith(":"):
+                pseudo[name] = value
+            else:
+                headers[name] = headers[name] + ", " + value if name in headers else value
+        request = H2Request(stream_id, pseudo, headers, bytes(stream.body), self.number)
+        with server._lock:
+            server.requests.append(request)
+            action = stream.action
+            if action is None:
+                action = server._action_for_token(request)
+                if action in (REFUSE_STREAM, RESET_BEFORE_READ):  # by_token: as if unread
+                    server.requests.remove(request)
+        if action == RESET_BEFORE_READ:
+            raise _H2Close("reset")
+        if action == REFUSE_STREAM:
+            self.streams.pop(stream_id, None)
+            self.open.discard(stream_id)
+            self._refuse(stream_id)
+            return
+        stream.request, stream.action = request, action
+        self.recorded += 1
+        self.highest_recorded = max(self.highest_recorded, stream_id)
+        if action == RESET_AFTER_READ:
+            raise _H2Close("reset")
+        if action == DROP_CONNECTION_AFTER_READ:
+            raise _H2Close("drop")
+        if action == GOAWAY_AFTER_READ:
+            self._goaway()
+        if action == RESET_STREAM_AFTER_READ:
+            self._reset_stream(stream_id, _H2_INTERNAL_ERROR)
+            self._finish(stream)
+        else:
+            delay = server.reply_delay + (server.slow_seconds if action == SLOW else 0.0)
+            if delay > 0:
+                self.sequence += 1
+                heapq.heappush(self.timers, (time.monotonic() + delay, self.sequence, stream_id))
+            else:
+                self._answer(stream)
+        if self.goaway_after is not None and self.goaway_last is None:
+            if self.recorded >= self.goaway_after:
+                self._goaway()
+        if self.shrink is not None and self.recorded == self.shrink[0]:
+            self._send_settings({_H2_SETTINGS_MAX_CONCURRENT_STREAMS: self.shrink[1]})
+
+    def _forget(self, stream_id: int) -> None:
+        """The stream ends unanswered: its unused action goes back to the queue."""
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None:
+            self._finish(stream)
+            if stream.request is None and stream.action is not None:
+                self.server._give_back([stream.action])
+
+    # Writing ----------------------------------------------------------------------------------
+
+    def _check_release(self) -> None:
+        if not self.stalling or not self.server._window_released.is_set():
+            return
+        self.stalling = False
+        self._send_settings({_H2_SETTINGS_INITIAL_WINDOW_SIZE: _H2_DEFAULT_WINDOW})
+        for stream_id, size in sorted(self.held.items()):
+            self._acknowledge(stream_id, size)
+        self.held.clear()
+
+    def _acknowledge(self, stream_id: int, size: int) -> None:
+        if size:
+            self.conn.acknowledge_received_data(size, stream_id)
+
+    def _refuse(self, stream_id: int) -> None:
+        self.server._count("streams_refused")
+        self._reset_stream(stream_id, _H2_REFUSED_STREAM)
+
+    def _reset_stream(self, stream_id: int, error_code: int) -> None:
+        try:
+            self.conn.reset_stream(stream_id, error_code=error_code)
+        except h2.exceptions.StreamClosedError:
+            pass
+
+    def _send_settings(self, values: Dict[int, int]) -> None:
+        frame = hyperframe.frame.SettingsFrame(0, settings=values)
+        self.unacked.append(values)
+        self._queue_frame(frame.serialize())
+
+    def _goaway(self) -> None:
+        """Graceful GOAWAY: streams up to the highest recorded one are still answered."""
+        last = self.highest_recorded
+        self.goaway_last = last
+        frame = hyperframe.frame.GoAwayFrame(0, last_stream_id=last, error_code=0)
+        self._queue_frame(frame.serialize())
+        self.server._count("goaways_sent")
+        for stream_id in sorted(s for s in self.streams if s > last):
+            self._forget(stream_id)
+
+    def _finish(self, stream: _H2Stream) -> None:
+        self.open.discard(stream.id)
+        self.sending.pop(stream.id, None)
+        if stream.request is not None:
+            self.streams.pop(stream.id, None)
+
+    def _run_timers(self) -> None:
+        now = time.monotonic()
+        while self.timers and self.timers[0][0] <= now:
+            _, _, stream_id = heapq.heappop(self.timers)
+            stream = self.streams.get(stream_id)
+            if stream is not None and stream_id in self.open:
+                self._answer(stream)
+
+    def _answer(self, stream: _H2Stream) -> None:
+        server = self.server
+        action = stream.action
+        assert stream.request is not None
+        if action == NON_JSON:
+            reply = Reply(200, body=b"<html>oops</html>", headers={"Content-Type": "text/html"})
+        elif action == HUGE_BODY:
+            headers = {"Content-Type": JSON_CONTENT_TYPE}
+            reply = Reply(200, body=_huge_json_body(), headers=headers)
+        elif isinstance(action, Reply):
+            reply = action
+        else:
+            reply = server.dispatch(stream.request)
+        body = b"" if reply.status in (204, 304) or reply.status < 200 else reply.body
+        length = len(body)
+        if action == TRUNCATED_BODY:
+            length = max(length, 2)
+            body = body[: length // 2]
+        fields = [(b":status", b"%d" % reply.status)]
+        for name, value in reply.headers.items():
+            if name.lower() not in _H2_NOT_FORWARDED:
+                fields.append((name.lower().encode("latin-1"), str(value).encode("latin-1")))
+        if not (reply.status in (204, 304) or reply.status < 200):
+            fields.append((b"content-length", b"%d" % length))
+        if self.dynamic_table:
+            fields.extend(self._extra_fields())
+        if not self._send_headers(stream.id, fields, end_stream=not body):
+            self._finish(stream)
+        elif body:
+            stream.out = memoryview(body)
+            self.sending[stream.id] = stream
+        else:
+            self._finish(stream)
+
+    def _extra_fields(self) -> List[Tuple[bytes, bytes]]:
+        """Headers like Google's front ends send, and one that differs in every answer."""
+        with self.server._lock:
+            self.server._answers += 1
+            number = self.server._answers
+        return [
+            (b"date", email.utils.formatdate(usegmt=True).encode("ascii")),
+            (b"vary", b"Origin, X-Origin, Referer"),
+            (b"server", b"ESF"),
+            (b"x-xss-protection", b"0"),
+            (b"x-frame-options", b"SAMEORIGIN"),
+            (b"x-content-type-options", b"nosniff"),
+            (b"alt-svc", b'h3=":443"; ma=2592000,h3-29=":443"; ma=2592000'),
+            (b"x-fake", b"%d" % number),
+        ]
+
+    def _send_headers(self, stream_id: int, fields: List[Tuple[bytes, bytes]], end_stream: bool
+                      ) -> bool:
+        """HEADERS (+ CONTINUATION); False if the stream is gone (reset by the client)."""
+        h2_stream = self.conn.streams.get(stream_id) if self.server.continuation else None
+        saved = None
+        if h2_stream is not None:
+            # h2 cuts a header block into frames of its stream's max_outbound_frame_size;
+            # frames smaller than the client's SETTINGS_MAX_FRAME_SIZE are always allowed.
+            saved = h2_stream.max_outbound_frame_size
+            h2_stream.max_outbound_frame_size = max(1, self.server.continuation_fragment)
+        try:
+            self.conn.send_headers(stream_id, fields, end_stream=end_stream)
+        except h2.exceptions.StreamClosedError:
+            return False
+        finally:
+            if h2_stream is not None:
+                h2_stream.max_outbound_frame_size = saved
+        return True
+
+    def _pump(self) -> None:
+        """DATA frames for the answers being sent, as far as the client's windows allow."""
+        for stream in list(self.sending.values()):
+            while stream.out is not None and len(self.outbuf) < _H2_OUTBUF_HIGH:
+                try:
+                    window = self.conn.local_flow_control_window(stream.id)
+                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                    self._finish(stream)  # reset by the client meanwhile
+                    break
+                size = min(window, self.conn.max_outbound_frame_size, len(stream.out))
+                if size <= 0:
+                    break
+                piece, rest = stream.out[:size], stream.out[size:]
+                try:
+                    self.conn.send_data(stream.id, bytes(piece), end_stream=not rest)
+                except h2.exceptions.StreamClosedError:
+                    self._finish(stream)
+                    break
+                if rest:
+                    stream.out = rest
+                else:
+                    stream.out = None
+                    self._finish(stream)
+                self._queue_h2()
+
+    def _queue_h2(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.sent_tally.feed(data)
+            self.outbuf += data
+
+    def _queue_frame(self, frame: bytes) -> None:
+        """A frame made here rather than by h2, queued after everything h2 made before."""
+        self._queue_h2()
+        self.sent_tally.feed(frame)
+        self.outbuf += frame
+
+    def _flush(self) -> None:
+        """Write what the socket takes now; the rest waits for it to be writable."""
+        while self.outbuf:
+            size = self.attempt  # a retry must offer the same bytes again
+            if not size:
+                if self.server.split_tls_records:
+                    size = _H2_SPLIT_SIZES[self.split_index % len(_H2_SPLIT_SIZES)]
+                    self.split_index += 1
+                size = min(size or _H2_WRITE_SIZE, len(self.outbuf))
+            try:
+                sent = self.sock.send(self.outbuf[:size])
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+                self.attempt = size
+                return
+            self.attempt = 0
+            del self.outbuf[:sent]
+
+    def _flush_for(self, patience: float) -> None:
+        deadline = time.monotonic() + patience
+        while True:
+            try:
+                self._flush()
+            except OSError:
+                self.outbuf.clear()
+            remaining = deadline - time.monotonic()
+            if not self.outbuf or remaining <= 0 or self.server._stopping.is_set():
+                return
+            self.selector.modify(self.sock, selectors.EVENT_WRITE)
+            self.selector.select(min(remaining, _H2_POLL))
+
+
+# HTTP/2 ######################################################################################
+# push_many multiplexing over FakeFCM2; each fault checked against what the server processed.
+
+H2_TOKEN = "test-token"
+
+
+def sent_counts(server: FakeFCM) -> Dict[str, int]:
+    """How many times the server processed each device token's send."""
+    return collections.Counter(tokens_sent(server))
+
+
+@requires_h2
+class HTTP2Test(ServerTestCase):
+    server_class = FakeFCM2
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.server.valid_tokens.add(H2_TOKEN)
+
+    def h2_client(self, **options: Any) -> andpush.Client:
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        client = andpush.new(access_token=H2_TOKEN, project_id=TEST_PROJECT, **options)
+        self.addCleanup(client.close)
+        return client
+
+    def push_many(self, count: int, concurrency: int = 20, **options: Any) -> List[Any]:
+        messages = [{"token": "t%d" % i, "data": {"n": str(i)}} for i in range(count)]
+        return list(self.h2_client(**options).push_many(messages, concurrency=concurrency))
+
+    def assert_all_sent_once(self, outcomes: List[Any], count: int) -> None:
+        self.assertEqual(len(outcomes), count)
+        for outcome in outcomes:
+            self.assertIsInstance(outcome, andpush.Response)
+        self.assertEqual(sent_counts(self.server), {"t%d" % i: 1 for i in range(count)})
+
+    def test_push_many_multiplexes_streams_over_one_connection(self) -> None:
+        outcomes = self.push_many(200, concurrency=50)
+        self.assert_all_sent_once(outcomes, 200)
+        self.assertEqual(outcomes[7].json["name"], "projects/%s/messages/0:%d" % (
+            TEST_PROJECT, int(outcomes[7].json["name"].rsplit(":", 1)[1])))
+        self.assertEqual(self.server.protocols, ["h2"])
+        self.assertGreater(self.server.max_open_streams_seen, 1)
+        self.assertEqual(self.server.settings_received[0][1], 0)  # HEADER_TABLE_SIZE 0
+        self.assertEqual(self.server.requests[0].version, "HTTP/2")
+
+    def test_push_works_over_http2_one_stream_at_a_time(self) -> None:
+        client = self.h2_client()
+        for _ in range(3):
+            self.assertEqual(client.push(V1_MESSAGE).json["name"].split("/")[1], TEST_PROJECT)
+        self.assertEqual(self.server.connections, 1)
+
+    def test_http2_false_keeps_to_http11(self) -> None:
+        self.server.close()
+        self.server = FakeFCM2(alpn=("h2", "http/1.1")).start()
+        self.addCleanup(self.server.close)
+        self.server.valid_tokens.add(H2_TOKEN)
+        self.assertEqual(len(self.push_many(10, http2=False)), 10)
+        self.assertNotIn("h2", self.server.protocols)
+        self.assertEqual({r.version for r in self.server.requests}, {"HTTP/1.1"})
+
+    def test_refused_streams_are_sent_again(self) -> None:
+        self.server.inject(REFUSE_STREAM, REFUSE_STREAM, REFUSE_STREAM)
+        self.assert_all_sent_once(self.push_many(30), 30)
+        self.assertGreaterEqual(self.server.streams_refused, 3)
+
+    def test_goaway_mid_batch_moves_the_rest_to_a_new_connection(self) -> None:
+        self.server.goaway_after = 7
+        self.server.reply_delay = 0.01
+        self.assert_all_sent_once(self.push_many(60, concurrency=20), 60)
+        self.assertGreaterEqual(self.server.goaways_sent, 2)
+        self.assertGreaterEqual(self.server.connections, 3)
+
+    def test_goaway_with_streams_in_flight_finishes_them(self) -> None:
+        self.server.reply_delay = 0.02
+        self.server.by_token["t5"] = [GOAWAY_AFTER_READ]
+        self.assert_all_sent_once(self.push_many(40, concurrency=20), 40)
+
+    def test_a_stream_reset_after_the_server_read_it_is_maybe_delivered(self) -> None:
+        self.server.by_token["t3"] = [RESET_STREAM_AFTER_READ]
+        outcomes = self.push_many(10, max_retries=3)
+        self.assertIsInstance(outcomes[3], andpush.NetworkError)
+        self.assertTrue(outcomes[3].may_have_been_delivered)
+        self.assertEqual(sent_counts(self.server)["t3"], 1)
+        self.assertEqual(sum(isinstance(o, andpush.Response) for o in outcomes), 9)
+
+    def test_a_dropped_connection_loses_nothing_silently(self) -> None:
+        self.server.reply_delay = 0.05
+        self.server.by_token["t4"] = [DROP_CONNECTION_AFTER_READ]
+        outcomes = self.push_many(30, concurrency=10, max_retries=3)
+        counts = sent_counts(self.server)
+        for i, outcome in enumerate(outcomes):
+            with self.subTest(i=i):
+                self.assertLessEqual(counts["t%d" % i], 1)  # nothing duplicated
+                if isinstance(outcome, andpush.Response):
+                    self.assertEqual(counts["t%d" % i], 1)
+                else:
+                    self.assertIsInstance(outcome, andpush.NetworkError)
+                    self.assertTrue(outcome.may_have_been_delivered)
+        self.assertIsInstance(outcomes[4], andpush.NetworkError)
+
+    def test_streams_follow_max_concurrent_streams_and_its_changes(self) -> None:
+        self.server.close()
+        self.server = FakeFCM2(max_concurrent_streams=8).start()
+        self.addCleanup(self.server.close)
+        self.server.valid_tokens.add(H2_TOKEN)
+        self.server.shrink_max_concurrent_streams_to = (10, 3)
+        self.server.reply_delay = 0.01
+        self.assert_all_sent_once(self.push_many(60, concurrency=8), 60)
+        self.assertEqual(self.server.stream_limit_violations, 0)
+        self.assertLessEqual(self.server.max_open_streams_seen, 8)
+
+    def test_more_concurrency_than_streams_opens_more_connections(self) -> None:
+        self.server.close()
+        self.server = FakeFCM2(max_concurrent_streams=5).start()
+        self.addCleanup(self.server.close)
+        self.server.valid_tokens.add(H2_TOKEN)
+        self.server.reply_delay = 0.05
+        self.assert_all_sent_once(self.push_many(40, concurrency=20), 40)
+        self.assertGreaterEqual(self.server.connections, 4)
+        self.assertLessEqual(self.server.max_open_streams_seen, 5)
+
+    def test_a_server_that_uses_its_dynamic_table_still_decodes(self) -> None:
+        self.server.use_dynamic_table = True
+        outcomes = self.push_many(30)
+        self.assert_all_sent_once(outcomes, 30)
+        self.assertEqual(outcomes[-1].headers["x-fake"].isdigit(), True)
+
+    def test_continuation_frames(self) -> None:
+        self.server.continuation = True
+        self.assert_all_sent_once(self.push_many(10), 10)
+
+    def test_frames_split_across_tls_records(self) -> None:
+        self.server.split_tls_records = True
+        self.assert_all_sent_once(self.push_many(10), 10)
+
+    def test_a_stalled_window_holds_the_data_until_the_server_opens_it(self) -> None:
+        self.server.stall_window = True
+        threading.Timer(0.3, self.server.release_window).start()
+        self.assert_all_sent_once(self.push_many(10), 10)
+        self.assertEqual(self.server.flow_control_violations, 0)
+        self.assertGreater(self.server.stalled_streams, 0)
+
+    def test_every_stream_has_a_deadline(self) -> None:
+        self.server.slow_seconds = 2.0
+        self.server.by_token["t2"] = [SLOW]
+        outcomes = self.push_many(6, timeout=0.3)
+        self.assertIsInstance(outcomes[2], andpush.NetworkError)
+        self.assertTrue(outcomes[2].may_have_been_delivered)
+        self.assertEqual(sum(isinstance(o, andpush.Response) for o in outcomes), 5)
+
+    def test_errors_and_retries_as_over_http11(self) -> None:
+        self.server.by_token.update({
+            "t1": [fcm_error(404, "UNREGISTERED")],
+            "t2": [fcm_error(503, "UNAVAILABLE")],
+        })
+        outcomes = self.push_many(5, max_retries=2, backoff_factor=0.001)
+        self.assertIsInstance(outcomes[1], andpush.UnregisteredError)
+        self.assertIsInstance(outcomes[2], andpush.Response)
+        self.assertEqual(sent_counts(self.server)["t2"], 2)
+        self.assertIsInstance(outcomes[0], andpush.Response)
+
+    def test_bad_messages_are_outcomes_not_sends(self) -> None:
+        client = self.h2_client()
+        outcomes = list(client.push_many([{"token": "a"}, {"token": "b", "data": {"n": 1}}]))
+        self.assertIsInstance(outcomes[0], andpush.Response)
+        self.assertIsInstance(outcomes[1], TypeError)
+
+    def test_http2_inside_a_connect_tunnel(self) -> None:
+        with ConnectProxy() as proxy:
+            outcomes = self.push_many(20, proxy="http://127.0.0.1:%d" % proxy.port)
+        self.assert_all_sent_once(outcomes, 20)
+        self.assertEqual(self.server.protocols, ["h2"])
+        self.assertEqual(len(proxy.targets), 1)
+
+    def test_closing_the_iterator_stops_the_sender(self) -> None:
+        self.server.reply_delay = 0.01
+        messages = CountingMessages(5000)
+        outcomes = self.h2_client().push_many(messages, concurrency=10)
+        next(outcomes)
+        outcomes.close()  # type: ignore[attr-defined]
+        time.sleep(0.2)
+        processed = self.server.processed
+        time.sleep(0.2)
+        self.assertEqual(self.server.processed, processed)
+        self.assertLessEqual(messages.taken, 1 + 10 * andpush._WINDOW_PER_WORKER)
 
 
 if __name__ == "__main__":
