@@ -3790,7 +3790,6 @@ class _H2Stream:
         self.action: Optional[Action] = action
         self.body = bytearray()
         self.received = 0  # flow-controlled bytes received: DATA payloads plus padding
-        self.stalled = False  # its body filled the stall_window window
         self.request: Optional[H2Request] = None  # set once read whole, i.e. recorded
         self.out: Optional[memoryview] = None  # body bytes still to send
 
@@ -3857,8 +3856,8 @@ class FakeFCM2(FakeGoogle):
         self.streams_refused = 0  # RST_STREAM(REFUSED_STREAM) sent, for any reason
         self.stream_limit_violations = 0  # streams opened beyond an acknowledged limit
         self.flow_control_violations = 0  # streams that sent beyond their stalled window
+        self.stalled_streams = 0  # streams that ran out of window (stall_window), ever
         self.max_open_streams_seen = 0  # most streams open at once on one connection
-        self.stalled_streams = 0  # streams whose body filled the stall_window window
         self.streams_reset_by_client = 0
         self.goaways_sent = 0
         self.goaways_received = 0
@@ -3866,7 +3865,7 @@ class FakeFCM2(FakeGoogle):
         self.protocol_errors: List[str] = []  # h2's complaints about what clients sent
         # Internals.
         self._window_released = threading.Event()
-        self._wakers: Set[socket.socket] = set()
+        self._sessions: Set["_H2Session"] = set()
         self._answers = 0
 
     def inject(self, *actions: Action) -> None:
@@ -3877,14 +3876,20 @@ class FakeFCM2(FakeGoogle):
         with self._lock:
             self._actions.extend(actions)
 
+    @property
+    def waiting_for_window(self) -> int:
+        """Streams waiting for window now (stall_window): all their window sent, not ended."""
+        with self._lock:
+            return sum(len(session.stalled) for session in self._sessions)
+
     def release_window(self) -> None:
         """End stall_window: every connection gives the client its windows back, for good."""
         self._window_released.set()
         with self._lock:
-            wakers = list(self._wakers)
-        for waker in wakers:
+            sessions = list(self._sessions)
+        for session in sessions:
             try:
-                waker.send(b"w")
+                session.wake_w.send(b"w")
             except OSError:
                 pass
 
@@ -3934,6 +3939,8 @@ class _H2Session:
         self.open: Set[int] = set()  # streams opened and not yet ended by this side
         self.sending: Dict[int, _H2Stream] = {}  # streams with body bytes still to send
         self.held: Dict[int, int] = {}  # bytes received, not given back (stall_window)
+        self.stalled: Set[int] = set()  # streams with no window left (stall_window)
+        self.counted_stalled: Set[int] = set()  # of those, the ones in stalled_streams
         self.timers: List[Tuple[float, int, int]] = []  # (due, sequence, stream id)
         self.sequence = 0
         self.recorded = 0
@@ -3955,12 +3962,13 @@ class _H2Session:
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
         with server._lock:
-            server._wakers.add(self.wake_w)
+            server._sessions.add(self)
         try:
             self._serve()
         finally:
             with server._lock:
-                server._wakers.discard(self.wake_w)
+                server._sessions.discard(self)
+                self.stalled.clear()
             self.selector.close()
             self.wake_r.close()
             self.wake_w.close()
@@ -4086,6 +4094,11 @@ class _H2Session:
                 raise _H2Close("graceful") from None  # h2 has queued its GOAWAY
             for event in events:
                 self._handle(event)
+            if self.stalled:  # still so once the frames that came with the data are seen
+                fresh = self.stalled - self.counted_stalled
+                if fresh:
+                    self.counted_stalled |= fresh
+                    self.server._count("stalled_streams", len(fresh))
 
     def _handle(self, event: Any) -> None:
         server = self.server
@@ -4113,6 +4126,9 @@ class _H2Session:
                 values = self.unacked.popleft()
                 self.acked_limit = values.get(_H2_SETTINGS_MAX_CONCURRENT_STREAMS, self.acked_limit)
                 self.acked_window = values.get(_H2_SETTINGS_INITIAL_WINDOW_SIZE, self.acked_window)
+                if self.stalling:
+                    for stream in self.streams.values():
+                        self._check_stalled(stream)
         elif isinstance(event, h2.events.PingReceived):
             server._count("pings_received")
         elif isinstance(event, h2.events.ConnectionTerminated):
@@ -4154,9 +4170,13 @@ class _H2Session:
             self.server._count("flow_control_violations")
             self._forget(stream_id)
             self._reset_stream(stream_id, _H2_FLOW_CONTROL_ERROR)
-        elif stream.received >= self.server.stall_window_size and not stream.stalled:
-            stream.stalled = True
-            self.server._count("stalled_streams")
+        else:
+            self._check_stalled(stream)
+
+    def _check_stalled(self, stream: _H2Stream) -> None:
+        if stream.request is None and stream.received >= self.acked_window:
+            with self.server._lock:
+                self.stalled.add(stream.id)
 
     def _on_end(self, stream_id: int) -> None:
         server = self.server
@@ -4187,6 +4207,9 @@ class _H2Session:
             self._refuse(stream_id)
             return
         stream.request, stream.action = request, action
+        if stream_id in self.stalled:
+            with server._lock:
+                self.stalled.discard(stream_id)
         self.recorded += 1
         self.highest_recorded = max(self.highest_recorded, stream_id)
         if action == RESET_AFTER_READ:
@@ -4225,6 +4248,8 @@ class _H2Session:
         if not self.stalling or not self.server._window_released.is_set():
             return
         self.stalling = False
+        with self.server._lock:
+            self.stalled.clear()
         self._send_settings({_H2_SETTINGS_INITIAL_WINDOW_SIZE: _H2_DEFAULT_WINDOW})
         for stream_id, size in sorted(self.held.items()):
             self._acknowledge(stream_id, size)
@@ -4260,6 +4285,9 @@ class _H2Session:
             self._forget(stream_id)
 
     def _finish(self, stream: _H2Stream) -> None:
+        if stream.id in self.stalled:
+            with self.server._lock:
+                self.stalled.discard(stream.id)
         self.open.discard(stream.id)
         self.sending.pop(stream.id, None)
         if stream.request is not None:
@@ -4408,7 +4436,6 @@ class _H2Session:
                 return
             self.selector.modify(self.sock, selectors.EVENT_WRITE)
             self.selector.select(min(remaining, _H2_POLL))
-
 
 # HTTP/2 ######################################################################################
 # push_many multiplexing over FakeFCM2; each fault checked against what the server processed.
