@@ -1721,8 +1721,9 @@ class _HPACKDecoder:
     def decode(self, block: bytes) -> Tuple[Tuple[str, str], ...]:
         """The (name, value) fields of a whole header block; _HPACKError when it is malformed.
 
-        A block that neither reads nor changes the dynamic table means the same every time,
-        so small ones are remembered: a server that repeats itself costs one dict lookup.
+        A block that neither reads nor changes the dynamic table means the same every time
+        (as any block does while the table has size 0, which we ask for), so small ones
+        are remembered: a server that repeats itself costs one dict lookup.
         Hence a tuple, which later calls may return again: it cannot be changed.
         """
         headers = self._cache.get(block)
@@ -1748,8 +1749,9 @@ class _HPACKDecoder:
                 if headers:
                     raise _HPACKError("dynamic table size update after a header field")
                 size, pos = _hpack_decode_int(block, pos, 5)
-                self._resize(size)
-                stateless = False
+                if size != self.capacity:
+                    self._resize(size)
+                    stateless = False
                 continue
             else:                                       # literal field, name indexed if index
                 index, pos = _hpack_decode_int(block, pos, 6 if first & 0x40 else 4)
@@ -1759,8 +1761,8 @@ class _HPACKDecoder:
                     name, pos = _hpack_decode_string(block, pos)
                 value, pos = _hpack_decode_string(block, pos)
                 field = (name, value)
-                if first & 0x40:                        # with incremental indexing
-                    self._insert(field)
+                if first & 0x40 and self.capacity:      # with incremental indexing
+                    self._insert(field)                 # (a table of size 0 keeps nothing)
                     stateless = False
             stateless = stateless and index <= _HPACK_STATIC_SIZE
             headers.append(field)
@@ -1792,6 +1794,7 @@ class _HPACKDecoder:
             )
         self.capacity = capacity
         self._evict(capacity)
+        self._cache.clear()  # what it remembered may have inserted into a table of size 0
 
     def _evict(self, size: int) -> None:
         """Drop the oldest entries until the dynamic table takes at most ``size`` octets."""
@@ -2699,6 +2702,7 @@ class _Work:
         self.stopped = False
         self._error: Optional[BaseException] = None
         self.wake: Callable[[], None] = lambda: None  # a sender's "the window moved"
+        self._sender_waits = False  # a sender found the window full and wants a wake
 
     def run(self, work: Callable[[Any], Outcome]) -> None:
         """A sending thread: work items, one at a time, until there are none."""
@@ -2714,6 +2718,7 @@ class _Work:
         with self._condition:
             while not self.stopped and self._read - self._yielded >= self._window:
                 if not block:
+                    self._sender_waits = True
                     return None
                 self._condition.wait()
             if self.stopped or self.exhausted:
@@ -2764,7 +2769,9 @@ class _Work:
             outcome = self._outcomes.pop(self._yielded)
             self._yielded += 1
             self._condition.notify_all()
-        self.wake()
+            wake, self._sender_waits = self._sender_waits, False
+        if wake:
+            self.wake()
         return outcome
 
     def stop(self) -> None:
