@@ -2384,6 +2384,19 @@ class HPACKCacheTest(unittest.TestCase):
                 decoder.decode(block)
         self.assertEqual(decoder._cache, {})
 
+    def test_incremental_indexing_into_a_table_of_size_0_is_remembered(self) -> None:
+        # What h2-based servers send even after we advertise HEADER_TABLE_SIZE 0.
+        decoder = _HPACKDecoder(4096)
+        decoder.decode(bytes.fromhex("20"))                         # the table goes to 0
+        block = bytes.fromhex("88" "4003616263016b")                # abc: k, indexed
+        self.assertEqual(decoder.decode(block), ((":status", "200"), ("abc", "k")))
+        self.assertIn(block, decoder._cache)
+        self.assertEqual((decoder.entries, decoder.size), ([], 0))
+        decoder.decode(bytes.fromhex("3fe11f"))                     # back to 4096
+        self.assertEqual(decoder._cache, {})
+        decoder.decode(block)
+        self.assertEqual(decoder.entries, [("abc", "k")])          # this time it indexes
+
     def test_cache_is_bounded(self) -> None:
         decoder = _HPACKDecoder(0)
         for number in range(3 * _HPACK_CACHE_ENTRIES):
