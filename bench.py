@@ -1,48 +1,111 @@
-"""Offline benchmark for andpush: pushes per second against a local TLS fake FCM server.
+"""Offline benchmark for andpush: messages per second against a local TLS fake FCM server.
 
-Run ``python bench.py`` from the repository root (``--quick`` for a few-second run, ``--json``
-for machine-readable output, ``--help`` for the rest). It needs no credentials and no network.
+Run ``python bench.py`` from the repository root (``--quick`` for a run of about 20 seconds,
+``--json`` for machine-readable output, ``--help`` for the rest). It needs no credentials and
+no network. The default run takes about three minutes, most of it the bounded-memory row.
 
-What it measures
-    A fake FCM server runs in a separate process (this script re-run with a hidden ``--serve``
-    flag) on 127.0.0.1 with the test certificates from ``test_andpush.py``. It speaks
-    HTTP/1.1 with keep-alive and answers ``POST /fcm/send`` with a small legacy JSON response,
-    optionally after a per-answer delay. Each row of the table is one way of sending the same
-    push to it, measured in pushes per second:
+The fake FCM server
+    A fake FCM server runs in separate processes (this script re-run with a hidden ``--serve``
+    flag) on 127.0.0.1 with the test certificates from ``test_andpush.py``. It speaks HTTP/1.1
+    with keep-alive and no ALPN: clients that offer HTTP/2, andpush among them, fall back to
+    HTTP/1.1, so andpush's HTTP/2 path is not measured here. After an optional per-answer
+    delay that stands in for FCM's latency it answers ``POST /fcm/send`` (legacy API) with a
+    legacy success, ``POST /v1/projects/<p>/messages:send`` (v1 API) with ``{"name": ...}``,
+    and ``POST /token`` (the OAuth2 token endpoint of the peers' service accounts) with an
+    access token. Each answer delay gets its own server processes (``--server-processes``,
+    sharing one port); every row reports how busy they were, so a row limited by the server
+    rather than by the client says so.
 
-    * ``andpush push() (keep-alive)``: one andpush client calling ``client.push(payload)``
-      over and over; what the library costs for sequential sending.
+Table 1: sequential pushes (one message at a time, zero answer delay)
+    * ``andpush push() (keep-alive)``: one andpush client calling ``client.push(payload)`` over
+      and over (legacy API); what the library costs for sequential sending.
+    * ``andpush push() v1 (keep-alive)``: the same with a v1 client (bearer token).
     * ``http.client, new connection per push``: a new ``http.client.HTTPSConnection`` for each
       push (TCP connect, TLS handshake, request, response, close), the way slow clients work.
     * ``raw socket (floor)``: one kept-alive TLS socket writing pre-built request bytes and
-      reading just enough of the answer (header end and Content-Length). No client can be
-      much faster against this server, so this is the floor that andpush is compared with.
+      reading just enough of the answer. No client can be much faster against this server, so
+      andpush is compared with this floor (target: at least 0.60 of it).
+    * peers, only when importable: ``pyfcm notify()`` and ``firebase-admin messaging.send()``,
+      both v1 over requests, pointed at the fake server (see "Peers" below).
 
-How it measures
-    Each row is set up and warmed up first. Then the rows take turns: every round runs each row
-    for one timed sample, so background load on the machine hits all rows alike. A sample
-    counts the pushes done in a fixed time; its rate is pushes per second.
+    Each row is set up and warmed up first. Then the rows take turns: every round runs each
+    row for one timed sample, so background load hits all rows alike. ``rate`` is the mean of
+    the samples' pushes per second, ``spread`` their standard deviation in percent of the mean
+    (large: a noisy machine, rerun before trusting small differences), ``comparison`` how many
+    times slower a row is than the fastest; ``client``, ``server`` and ``bound by`` as in
+    table 2.
 
-How to read the table (in the spirit of Ruby's benchmark-ips)
-    ``rate`` is the mean of the samples' rates in iterations (pushes) per second, ``spread``
-    the standard deviation of those rates as a percentage of the mean: a large spread means a
-    noisy machine, so rerun before trusting small differences. ``comparison`` is how many
-    times slower a row is than the fastest one. Below the table, rows with a target print
-    their ratio to their baseline; the project target is andpush keep-alive reaching at least
-    0.60 of the raw-socket floor.
+Table 2: bulk sends (the rows of issue 4; v1 API, ``andpush.new(access_token=...)``)
+    Each row sends a fixed number of messages once, after an untimed set-up and warm-up:
+
+    * latency-bound, every answer delayed by ``--delay-ms`` (50 ms):
+      ``andpush push_many`` of 5,000 messages at concurrency 100 and ``andpush push()``
+      sequentially (a few dozen messages: at 50 ms each that is all it manages); ideal rates
+      are concurrency / latency = 2,000 and 20 messages/s; target: push_many at least 0.80 of
+      its ideal. Next to them the peers: ``firebase-admin send_each`` (chunks of 500) and
+      ``pyfcm notify()`` sequentially.
+    * "10 million in an hour": ``push_many`` of 20,000 messages at concurrency 200 and 50 ms
+      (ideal 4,000/s). Target: at least 3,000 messages/s (10 million an hour is 2,778/s).
+    * bounded memory: ``push_many`` of 1,000,000 messages from a generator at concurrency 50
+      and zero delay (``--quick``: 20,000, which says little about memory). Target: peak
+      resident memory grows by less than 50 MB while it runs.
+
+    Columns: ``msg/s`` is messages per second over the whole row (connection set-up included),
+    ``of ideal`` that rate divided by concurrency / latency, ``CPU/msg`` the client process's
+    CPU time (``time.process_time()``, all its threads, not the server's) per message,
+    ``csw/msg`` the client process's context switches per message (``ru_nvcsw + ru_nivcsw``:
+    threads blocking on sockets, locks and the GIL), ``client`` and ``server`` their CPU time
+    as a share of one core over the row's wall time (the server's: its busiest process),
+    ``conns`` the TCP connections the server accepted during the row, ``peak RSS +`` how much
+    the client's peak resident memory grew during the row (Linux: ``VmHWM`` after resetting it
+    through ``/proc/self/clear_refs``; elsewhere ``ru_maxrss``, which can only show growth
+    past the earlier peak). ``bound by`` is the verdict: ``latency`` (nobody is busy: the row
+    waits on the answer delay), ``client CPU`` (the client process uses 75% of a core or more:
+    with Python's GIL about all its threads get), ``server CPU`` (a server process uses 85% of
+    a core or more: the row measures the fake server, not the client; try
+    ``--server-processes 2``) or ``both cores`` (client and server together use 1.7 cores or
+    more of the machine's); with no answer delay and nobody saturated, ``round trips``: client
+    and server take turns, each waiting for the other (table 1's sequential rows). The header
+    gives the machine's load average: other work on the machine slows every row, so compare
+    runs made under similar load.
+
+Peers
+    firebase-admin and pyfcm are used only when importable; bench.py never requires them (to
+    see them: ``python3 -m venv /tmp/peers && /tmp/peers/bin/pip install firebase-admin
+    pyfcm``, then run bench.py with ``/tmp/peers/bin/python``). Both keep FCM's URL in class
+    constants, which bench.py patches (``firebase_admin.messaging._MessagingService.FCM_URL``,
+    ``pyfcm.baseapi.BaseAPI.FCM_END_POINT_BASE``, set on the instance); both get a generated
+    service account whose ``token_uri`` is the fake server's ``/token``, and trust the test CA
+    through ``REQUESTS_CA_BUNDLE`` (requests) and ``SSL_CERT_FILE``. firebase-admin mounts a
+    requests pool of 100 connections for the real FCM host only; bench.py mounts the same pool
+    for the local server so the peer works as it would against FCM. ``send_each`` sends a
+    chunk's 500 messages on 500 threads at once; chunks go one after another. The lines under
+    table 2 give andpush's rate divided by each peer's.
 
 Adding a row
-    Write a ``Runner`` subclass (set up in ``__init__``; ``step()`` sends one or more pushes and
-    returns how many; ``close()`` cleans up) and add a ``Row`` to ``ROWS``. A row with
-    ``delay_ms`` gets its own fake server that waits that long before each answer.
+    Table 1: write a ``Runner`` (set up in ``__init__``; ``step()`` sends one or more pushes
+    and returns how many; ``close()`` cleans up) and add a ``Row`` to ``ROWS``. Table 2: write
+    a ``BulkRunner`` (set up and warm up in ``__init__``; ``send(count)`` sends ``count``
+    messages and returns a ``Sent``) and add a ``BulkRow`` to ``bulk_rows()``.
+
+``--profile TEXT`` runs the first bulk row whose name contains TEXT under cProfile, one profiler
+per client thread timed by that thread's CPU time (``time.thread_time``: waiting on sockets and
+the GIL does not count), merged, and prints where the client's CPU goes. The profiler slows the
+client several times over, which changes the row's dynamics: lock waits look larger than they
+are, so read it for the share of the andpush functions, not the rate.
 """
 
 import argparse
+import cProfile
 import http.client
+import importlib.util
+import io
 import itertools
 import json
+import logging
 import os
 import platform
+import pstats
 import signal
 import socket
 import ssl
@@ -53,31 +116,51 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+try:
+    import resource  # Unix only: peak memory and context switches
+except ImportError:
+    resource = None  # type: ignore[assignment]
 
 import andpush
-from test_andpush import TEST_CA_PEM, TEST_SERVER_CERT_PEM, TEST_SERVER_KEY_PEM
+from test_andpush import (
+    TEST_CA_PEM, TEST_RSA_KEY_PKCS8_PEM, TEST_SERVER_CERT_PEM, TEST_SERVER_KEY_PEM,
+)
 
 # What is sent ##################################################################################
 
 FCM_PATH = "/fcm/send"
 SERVER_KEY = "bench-server-key"
-PAYLOAD = {
-    "to": "bench-registration-token:" + "APA91bH3x9Qd-7kL2mZ" * 7,
+PROJECT = "p"
+V1_PATH_PREFIX = "/v1/projects/"
+DEVICE_TOKEN = "bench-registration-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
+PAYLOAD = {  # a legacy push (table 1)
+    "to": DEVICE_TOKEN,
     "notification": {"title": "Benchmark", "body": "andpush offline benchmark push"},
     "data": {"kind": "bench", "id": "12345"},
 }
+V1_MESSAGE = {  # the same push as a v1 message (table 2 and the v1 rows of table 1)
+    "token": DEVICE_TOKEN,
+    "notification": {"title": "Benchmark", "body": "andpush offline benchmark push"},
+    "data": {"kind": "bench", "id": "12345"},
+}
+
+
+def v1_messages(count: int) -> Iterator[Dict[str, Any]]:
+    """``count`` distinct v1 messages, made one at a time as they are read."""
+    notification = V1_MESSAGE["notification"]
+    for number in range(count):
+        yield {"token": DEVICE_TOKEN, "notification": notification,
+               "data": {"kind": "bench", "id": str(number)}}
+
 
 # The fake FCM server ###########################################################################
 # Thread per connection, chosen after measuring it against a selectors loop and asyncio
 # (protocols and streams) on one kept-alive connection: blocking recv/sendall in a thread costs
 # the server the least CPU per request, and time.sleep() in a connection's own thread delays
-# that answer precisely without holding up any other connection.
-
-RESPONSE_BODY = (
-    b'{"multicast_id":1,"success":1,"failure":0,"canonical_ids":0,'
-    b'"results":[{"message_id":"0:1"}]}'
-)
+# that answer precisely without holding up any other connection. Several processes can share
+# one port (SO_REUSEPORT) when one process is not enough.
 
 
 def http_response(status: str, body: bytes, keep_alive: bool = True) -> bytes:
@@ -88,8 +171,21 @@ def http_response(status: str, body: bytes, keep_alive: bool = True) -> bytes:
     return head.encode("ascii") + body
 
 
-OK_RESPONSE = http_response("200 OK", RESPONSE_BODY)
-OK_RESPONSE_CLOSE = http_response("200 OK", RESPONSE_BODY, keep_alive=False)
+LEGACY_BODY = (
+    b'{"multicast_id":1,"success":1,"failure":0,"canonical_ids":0,'
+    b'"results":[{"message_id":"0:1"}]}'
+)
+V1_BODY = b'{"name":"projects/p/messages/0:1"}'
+TOKEN_BODY = b'{"access_token":"x","expires_in":3600,"token_type":"Bearer"}'
+# (request line prefix, answer with keep-alive, answer with Connection: close)
+ROUTES = [
+    (b"POST " + FCM_PATH.encode("ascii") + b" ",
+     http_response("200 OK", LEGACY_BODY), http_response("200 OK", LEGACY_BODY, False)),
+    (b"POST " + V1_PATH_PREFIX.encode("ascii"),
+     http_response("200 OK", V1_BODY), http_response("200 OK", V1_BODY, False)),
+    (b"POST /token ",
+     http_response("200 OK", TOKEN_BODY), http_response("200 OK", TOKEN_BODY, False)),
+]
 NOT_FOUND_RESPONSE = http_response("404 Not Found", b'{"error":"not found"}')
 LENGTH_REQUIRED_RESPONSE = http_response(
     "411 Length Required", b'{"error":"Content-Length required"}', keep_alive=False
@@ -100,6 +196,7 @@ def answer_request(head: bytes) -> Tuple[bytes, int, bool]:
     """Answer a request from its head (up to the blank line).
 
     Returns the response bytes, the request body's length and whether to keep the connection.
+    A v1 request is answered whatever its project, when its path ends in ``:send``.
     """
     lower = head.lower()
     if b"\r\ntransfer-encoding:" in lower:
@@ -112,9 +209,12 @@ def answer_request(head: bytes) -> Tuple[bytes, int, bool]:
     line_end = lower.find(b"\r\n")
     request_line = head if line_end < 0 else head[:line_end]
     keep_alive = b"\r\nconnection: close" not in lower and not request_line.endswith(b"/1.0")
-    if not request_line.startswith(b"POST " + FCM_PATH.encode("ascii") + b" "):
-        return NOT_FOUND_RESPONSE, length, keep_alive
-    return (OK_RESPONSE if keep_alive else OK_RESPONSE_CLOSE), length, keep_alive
+    for prefix, keep_answer, close_answer in ROUTES:
+        if request_line.startswith(prefix):
+            if prefix.startswith(b"POST /v1/") and b":send " not in request_line:
+                break
+            return (keep_answer if keep_alive else close_answer), length, keep_alive
+    return NOT_FOUND_RESPONSE, length, keep_alive
 
 
 def serve_connection(
@@ -157,14 +257,22 @@ def serve_connection(
                     return
 
 
-def serve(cert_file: str, key_file: str, delay_ms: float) -> int:
-    """Run the fake server (the ``--serve`` child): report the port, serve until stdin closes."""
+def serve(cert_file: str, key_file: str, delay_ms: float, port: int) -> int:
+    """Run one fake server process (the ``--serve`` child).
+
+    It says ``READY <port>``, then answers each ``STATS`` line on its stdin with ``STATS
+    <requests> <connections> <cpu seconds>`` (counts since it started) and exits, after one
+    last STATS line, when its stdin closes. ``port`` 0 picks a free port; processes sharing a
+    port all listen with SO_REUSEPORT, and the kernel spreads the connections between them.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert_file, key_file)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(512)
+    if hasattr(socket, "SO_REUSEPORT"):
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(1024)
     answered = itertools.count()
     connections = itertools.count()
 
@@ -180,17 +288,21 @@ def serve(cert_file: str, key_file: str, delay_ms: float) -> int:
                 daemon=True,
             ).start()
 
-    def cpu_seconds() -> float:
+    def stats() -> str:
+        # Reading an itertools.count means advancing it: subtract the reads made so far.
         times = os.times()
-        return times.user + times.system
+        reads = next(stats_reads)
+        return "STATS %d %d %.4f" % (next(answered) - reads, next(connections) - reads,
+                                     times.user + times.system)
 
+    stats_reads = itertools.count()
     threading.Thread(target=accept_forever, daemon=True).start()
-    cpu_at_start = cpu_seconds()
     print("READY %d" % listener.getsockname()[1], flush=True)
-    sys.stdin.buffer.read()  # until the parent closes the pipe (or dies)
+    for line in sys.stdin.buffer:  # until the parent closes the pipe (or dies)
+        if line.strip() == b"STATS":
+            print(stats(), flush=True)
     listener.close()
-    print("STATS %d %d %.3f" % (next(answered), next(connections), cpu_seconds() - cpu_at_start),
-          flush=True)
+    print(stats(), flush=True)
     return 0
 
 
@@ -200,14 +312,26 @@ class ServerStats:
     connections: int = 0
     cpu_seconds: float = 0.0
 
+    def __sub__(self, earlier: "ServerStats") -> "ServerStats":
+        return ServerStats(self.requests - earlier.requests,
+                           self.connections - earlier.connections,
+                           self.cpu_seconds - earlier.cpu_seconds)
+
+
+def parse_stats(line: bytes) -> Optional[ServerStats]:
+    fields = line.decode("ascii", "replace").split()
+    if len(fields) == 4 and fields[0] == "STATS":
+        return ServerStats(int(fields[1]), int(fields[2]), float(fields[3]))
+    return None
+
 
 class FakeServer:
     """The parent's handle on one fake server process."""
 
-    def __init__(self, cert_file: str, key_file: str, delay_ms: float) -> None:
+    def __init__(self, cert_file: str, key_file: str, delay_ms: float, port: int = 0) -> None:
         self.delay_ms = delay_ms
         self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve",
+            [sys.executable, os.path.abspath(__file__), "--serve", "--port", str(port),
              "--cert", cert_file, "--key", key_file, "--server-delay-ms", str(delay_ms)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         )
@@ -218,41 +342,67 @@ class FakeServer:
             raise RuntimeError("fake FCM server did not start (said %r)" % " ".join(line))
         self.port = int(line[1])
 
+    def stats(self) -> ServerStats:
+        """The counts so far (requests, connections, CPU seconds since it started)."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(b"STATS\n")
+        self.process.stdin.flush()
+        return parse_stats(self.process.stdout.readline()) or ServerStats()
+
     def stop(self) -> ServerStats:
         """Close the server's stdin so that it exits, and collect what it reports."""
-        stats = ServerStats()
         try:
             out, _ = self.process.communicate(timeout=10)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-            return stats
-        fields = out.decode("ascii", "replace").split()
-        if len(fields) == 4 and fields[0] == "STATS":
-            stats = ServerStats(int(fields[1]), int(fields[2]), float(fields[3]))
-        return stats
+            return ServerStats()
+        lines = out.splitlines()
+        return (parse_stats(lines[-1]) if lines else None) or ServerStats()
+
+
+class ServerGroup:
+    """The processes serving one answer delay, all listening on one port."""
+
+    def __init__(self, cert_file: str, key_file: str, delay_ms: float, processes: int) -> None:
+        self.delay_ms = delay_ms
+        first = FakeServer(cert_file, key_file, delay_ms)
+        self.members = [first] + [FakeServer(cert_file, key_file, delay_ms, first.port)
+                                  for _ in range(processes - 1)]
+        self.port = first.port
+
+    def stats(self) -> List[ServerStats]:
+        return [member.stats() for member in self.members]
+
+    def stop(self) -> List[ServerStats]:
+        return [member.stop() for member in self.members]
 
 
 class Servers:
-    """Fake servers started on demand, one per answer delay, all in separate processes."""
+    """Fake servers started on demand, one group of processes per answer delay."""
 
-    def __init__(self, cert_file: str, key_file: str) -> None:
+    def __init__(self, cert_file: str, key_file: str, processes: int) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
-        self.running: Dict[float, FakeServer] = {}
+        self.processes = processes
+        self.running: Dict[float, ServerGroup] = {}
+
+    def group(self, delay_ms: float) -> ServerGroup:
+        if delay_ms not in self.running:
+            self.running[delay_ms] = ServerGroup(self.cert_file, self.key_file, delay_ms,
+                                                 self.processes)
+        return self.running[delay_ms]
 
     def target(self, delay_ms: float) -> "Target":
-        if delay_ms not in self.running:
-            self.running[delay_ms] = FakeServer(self.cert_file, self.key_file, delay_ms)
-        return Target("127.0.0.1", self.running[delay_ms].port, client_ssl_context())
+        return Target("127.0.0.1", self.group(delay_ms).port, client_ssl_context())
 
-    def stop_all(self) -> Dict[float, ServerStats]:
-        stats = {delay: server.stop() for delay, server in self.running.items()}
+    def stop_all(self) -> Dict[float, List[ServerStats]]:
+        stats = {delay: group.stop() for delay, group in self.running.items()}
         self.running.clear()
         return stats
 
 
-# Clients: one Runner per row ###################################################################
+# Clients ######################################################################################
 
 
 def client_ssl_context() -> ssl.SSLContext:
@@ -272,6 +422,141 @@ class Target:
         return "https://%s:%d" % (self.host, self.port)
 
 
+def andpush_v1(target: Target) -> andpush.Client:
+    """A v1 andpush client with a fixed access token (no token endpoint involved)."""
+    return andpush.new(access_token="x", project_id=PROJECT, endpoint=target.endpoint,
+                       ssl_context=target.ssl_context)
+
+
+class Skipped(Exception):
+    """A row that cannot run here (a peer that is not installed); the reason is its text."""
+
+
+def check_status(status: int, row: str) -> None:
+    if status != 200:
+        raise RuntimeError("%s: fake server answered HTTP %d" % (row, status))
+
+
+# Peers: firebase-admin and pyfcm, only when importable ########################################
+
+PEER_MODULES = {"firebase-admin": "firebase_admin", "pyfcm": "pyfcm"}
+
+
+def require_peer(name: str) -> None:
+    """Raise Skipped unless the peer's package can be imported here."""
+    if importlib.util.find_spec(PEER_MODULES[name]) is None:
+        raise Skipped("%s is not installed (pip install %s)" % (name, name))
+
+
+def service_account(target: Target) -> Dict[str, str]:
+    """A service account key whose token endpoint is the fake server's ``/token``."""
+    return {
+        "type": "service_account",
+        "project_id": PROJECT,
+        "private_key_id": "bench-key",
+        "private_key": TEST_RSA_KEY_PKCS8_PEM,
+        "client_email": "bench@p.iam.gserviceaccount.com",
+        "client_id": "1",
+        "token_uri": target.endpoint + "/token",
+    }
+
+
+def trust_test_ca(ca_file: str) -> None:
+    """Make requests (and httpx, aiohttp) trust the test CA: the peers verify with it."""
+    os.environ["REQUESTS_CA_BUNDLE"] = ca_file
+    os.environ["SSL_CERT_FILE"] = ca_file
+    # requests warns for each connection that a full pool discards (firebase-admin's 500
+    # threads share 100 pooled connections): a flood of lines, not a result.
+    logging.getLogger("urllib3").setLevel(logging.ERROR)
+
+
+class FirebaseAdmin:
+    """A firebase-admin App whose messaging service sends to the fake server."""
+
+    names = itertools.count()
+
+    def __init__(self, target: Target) -> None:
+        require_peer("firebase-admin")
+        import firebase_admin
+        import requests
+        from firebase_admin import _http_client, credentials, messaging
+
+        self.firebase_admin = firebase_admin
+        self.messaging = messaging
+        self.app = firebase_admin.initialize_app(
+            credentials.Certificate(service_account(target)),
+            name="andpush-bench-%d" % next(self.names),
+        )
+        try:
+            service = self._service_at(target.endpoint, messaging)
+        except AttributeError as exc:  # a version that keeps its URL elsewhere
+            firebase_admin.delete_app(self.app)
+            raise Skipped("firebase-admin %s cannot be pointed at the local server: %s"
+                          % (getattr(firebase_admin, "__version__", "?"), exc)) from exc
+        # What firebase-admin mounts for https://fcm.googleapis.com, mounted for our server.
+        service._client.session.mount(target.endpoint, requests.adapters.HTTPAdapter(
+            pool_connections=100, pool_maxsize=100,
+            max_retries=_http_client.DEFAULT_RETRY_CONFIG,
+        ))
+        self.message = messaging.Message(
+            token=DEVICE_TOKEN,
+            notification=messaging.Notification(title="Benchmark",
+                                                body="andpush offline benchmark push"),
+            data={"kind": "bench", "id": "12345"},
+        )
+
+    def _service_at(self, endpoint: str, messaging: Any) -> Any:
+        """The app's messaging service, made while FCM_URL points at ``endpoint``.
+
+        The service reads the constant once, when it is made: patch it around that only.
+        """
+        service_class = messaging._MessagingService
+        original = service_class.FCM_URL
+        service_class.FCM_URL = endpoint + V1_PATH_PREFIX + "{0}/messages:send"
+        try:
+            return messaging._get_messaging_service(self.app)
+        finally:
+            service_class.FCM_URL = original
+
+    def close(self) -> None:
+        self.firebase_admin.delete_app(self.app)
+
+
+class Pyfcm:
+    """A pyfcm FCMNotification that sends to the fake server."""
+
+    def __init__(self, target: Target) -> None:
+        require_peer("pyfcm")
+        import pyfcm
+        from google.oauth2 import service_account as google_service_account
+        from pyfcm import FCMNotification
+
+        if not hasattr(FCMNotification, "FCM_END_POINT_BASE"):  # pyfcm 1.x: legacy API only
+            raise Skipped("pyfcm %s cannot be pointed at the local server: no "
+                          "FCMNotification.FCM_END_POINT_BASE (pyfcm 2 has it)"
+                          % getattr(pyfcm, "__version__", "?"))
+
+        credentials = google_service_account.Credentials.from_service_account_info(
+            service_account(target),
+            scopes=["https://www.googleapis.com/auth/firebase.messaging"],
+        )
+        self.fcm = FCMNotification(credentials=credentials, project_id=PROJECT)
+        # pyfcm builds its URL from this class constant; shadow it on our instance only.
+        self.fcm.FCM_END_POINT_BASE = target.endpoint + "/v1/projects"
+
+    def notify(self) -> None:
+        answer = self.fcm.notify(
+            fcm_token=DEVICE_TOKEN, notification_title="Benchmark",
+            notification_body="andpush offline benchmark push",
+            data_payload={"kind": "bench", "id": "12345"},
+        )
+        if not answer.get("name"):
+            raise RuntimeError("pyfcm: unexpected answer %r" % (answer,))
+
+
+# Table 1: sequential pushes, one Runner per row ###############################################
+
+
 class Runner:
     """One row's client. ``step()`` sends one or more pushes and returns how many it sent."""
 
@@ -280,11 +565,6 @@ class Runner:
 
     def close(self) -> None:
         pass
-
-
-def check_status(status: int, row: str) -> None:
-    if status != 200:
-        raise RuntimeError("%s: fake server answered HTTP %d" % (row, status))
 
 
 class AndpushRunner(Runner):
@@ -301,6 +581,23 @@ class AndpushRunner(Runner):
     def step(self) -> int:
         if self.client.push(PAYLOAD).status_code != 200:
             raise RuntimeError("andpush: fake server did not answer HTTP 200")
+        return 1
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class AndpushV1Runner(Runner):
+    """``client.push(message)`` in a loop on one v1 andpush client."""
+
+    def __init__(self, target: Target) -> None:
+        self.client = andpush_v1(target)
+        response = self.client.push(V1_MESSAGE)
+        if not response.json.get("name"):
+            raise RuntimeError("andpush v1: unexpected response JSON %r" % (response.json,))
+
+    def step(self) -> int:
+        self.client.push(V1_MESSAGE)  # raises unless 2xx
         return 1
 
     def close(self) -> None:
@@ -376,12 +673,36 @@ class RawSocketRunner(Runner):
         self.sock.close()
 
 
-# The rows ######################################################################################
+class PyfcmRunner(Runner):
+    """pyfcm ``notify()`` in a loop (v1 API over a requests session)."""
+
+    def __init__(self, target: Target) -> None:
+        self.peer = Pyfcm(target)
+        self.step()
+
+    def step(self) -> int:
+        self.peer.notify()
+        return 1
+
+
+class FirebaseSendRunner(Runner):
+    """firebase-admin ``messaging.send(message)`` in a loop (v1 API over requests)."""
+
+    def __init__(self, target: Target) -> None:
+        self.peer = FirebaseAdmin(target)
+        self.step()
+
+    def step(self) -> int:
+        self.peer.messaging.send(self.peer.message, app=self.peer.app)
+        return 1
+
+    def close(self) -> None:
+        self.peer.close()
 
 
 @dataclass
 class Row:
-    """One line of the table: a way of sending pushes, and what it is compared with."""
+    """One line of table 1: a way of sending pushes, and what it is compared with."""
 
     name: str
     make: Callable[[Target], Runner]
@@ -391,15 +712,21 @@ class Row:
 
 
 RAW_FLOOR = "raw socket (floor)"
+ANDPUSH_PUSH = "andpush push() (keep-alive)"
+ANDPUSH_PUSH_V1 = "andpush push() v1 (keep-alive)"
+PYFCM_NOTIFY = "pyfcm notify() (peer)"
+FIREBASE_SEND = "firebase-admin messaging.send() (peer)"
 
 ROWS: List[Row] = [
-    Row("andpush push() (keep-alive)", AndpushRunner, baseline=RAW_FLOOR, target=0.60),
+    Row(ANDPUSH_PUSH, AndpushRunner, baseline=RAW_FLOOR, target=0.60),
+    Row(ANDPUSH_PUSH_V1, AndpushV1Runner),
     Row("http.client, new connection per push", NewConnectionRunner),
     Row(RAW_FLOOR, RawSocketRunner),
+    Row(PYFCM_NOTIFY, PyfcmRunner),
+    Row(FIREBASE_SEND, FirebaseSendRunner),
 ]
-
-
-# Measuring #####################################################################################
+# (andpush row, peer row): printed as andpush's rate divided by the peer's.
+PEER_PAIRS = [(ANDPUSH_PUSH_V1, PYFCM_NOTIFY), (ANDPUSH_PUSH_V1, FIREBASE_SEND)]
 
 
 @dataclass
@@ -407,12 +734,21 @@ class Result:
     row: Row
     samples: List[float] = field(default_factory=list)  # pushes per second, one per sample
     pushes: int = 0
-    status: str = "ok"  # or "error" (with a note saying what failed)
+    status: str = "ok"  # or "error"/"skipped" (with a note saying why)
     note: str = ""
+    seconds: float = 0.0  # over all samples
+    client_cpu: float = 0.0  # CPU seconds of this process during the samples
+    server_cpu: float = 0.0  # of the busiest server process, during the samples
+    server_total_cpu: float = 0.0  # of all server processes, during the samples
 
     @property
     def rate(self) -> float:
         return statistics.mean(self.samples) if self.samples else 0.0
+
+    @property
+    def bound(self) -> str:
+        return verdict(self.seconds, self.client_cpu, self.server_cpu, self.server_total_cpu,
+                       self.row.delay_ms)
 
     @property
     def spread(self) -> float:
@@ -440,6 +776,14 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def mark_failed(result: Any, stage: str, exc: BaseException) -> None:
+    """Mark a row of either table as skipped (a peer not installed) or failed."""
+    if isinstance(exc, Skipped):
+        result.status, result.note = "skipped", str(exc)
+    else:
+        result.status, result.note = "error", "%s failed: %r" % (stage, exc)
+
+
 def measure(rows: Sequence[Row], servers: Servers, warmup: float, samples: int,
             duration: float) -> List[Result]:
     """Set up and warm up every row, then take the samples in rounds, one row after another."""
@@ -451,33 +795,425 @@ def measure(rows: Sequence[Row], servers: Servers, warmup: float, samples: int,
             try:
                 runner = result.row.make(servers.target(result.row.delay_ms))
             except Exception as exc:  # a broken row must not hide the others' numbers
-                result.status, result.note = "error", "set-up failed: %r" % exc
+                mark_failed(result, "set-up", exc)
                 continue
             runners[index] = runner
             try:
                 run_for(runner, warmup)
             except Exception as exc:
-                result.status, result.note = "error", "warm-up failed: %r" % exc
+                mark_failed(result, "warm-up", exc)
                 runners.pop(index).close()
         for number in range(1, samples + 1):
             progress("sample %d of %d" % (number, samples))
             for index, runner in list(runners.items()):
                 result = results[index]
+                group = servers.group(result.row.delay_ms)
                 try:
+                    server_before = group.stats()
+                    cpu_before = time.process_time()
                     count, elapsed = run_for(runner, duration)
+                    result.client_cpu += time.process_time() - cpu_before
+                    server = [after - before
+                              for after, before in zip(group.stats(), server_before)]
                 except Exception as exc:
-                    result.status, result.note = "error", "sample failed: %r" % exc
+                    mark_failed(result, "sample", exc)
                     runners.pop(index).close()
                     continue
                 result.pushes += count
                 result.samples.append(count / elapsed)
+                result.seconds += elapsed
+                result.server_cpu += max(s.cpu_seconds for s in server)
+                result.server_total_cpu += sum(s.cpu_seconds for s in server)
     finally:
         for runner in runners.values():
             runner.close()
     return results
 
 
-# Reporting #####################################################################################
+# Table 2: bulk sends, one BulkRunner per row ##################################################
+
+
+@dataclass
+class Sent:
+    """What a bulk run sent: messages answered with a success, failures, the first failure."""
+
+    ok: int = 0
+    failed: int = 0
+    first_error: str = ""
+
+    def count(self, outcome: object) -> None:
+        if isinstance(outcome, andpush.Response):
+            self.ok += 1
+            return
+        self.failed += 1
+        if not self.first_error:
+            self.first_error = repr(outcome)
+
+
+class BulkRunner:
+    """One bulk row's client: set up and warmed up in ``__init__``, timed in ``send()``."""
+
+    def send(self, count: int) -> Sent:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class PushManyRunner(BulkRunner):
+    """``client.push_many(messages, concurrency=...)`` on a v1 client, outcomes counted."""
+
+    def __init__(self, target: Target, concurrency: int) -> None:
+        self.client = andpush_v1(target)
+        self.concurrency = concurrency
+        self.send(concurrency)  # warm-up: every worker's code path once
+
+    def send(self, count: int) -> Sent:
+        sent = Sent()
+        for outcome in self.client.push_many(v1_messages(count), concurrency=self.concurrency):
+            sent.count(outcome)
+        return sent
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PushRunner(BulkRunner):
+    """``client.push(message)`` one after another on a v1 client."""
+
+    def __init__(self, target: Target, concurrency: int) -> None:
+        self.client = andpush_v1(target)
+        self.send(1)
+
+    def send(self, count: int) -> Sent:
+        sent = Sent()
+        for message in v1_messages(count):
+            try:
+                sent.count(self.client.push(message))
+            except andpush.Error as exc:
+                sent.count(exc)
+        return sent
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class SendEachRunner(BulkRunner):
+    """firebase-admin ``messaging.send_each(chunk)`` for chunks of 500, one after another."""
+
+    CHUNK = 500
+
+    def __init__(self, target: Target, concurrency: int) -> None:
+        self.peer = FirebaseAdmin(target)
+        self.send(10)
+
+    def send(self, count: int) -> Sent:
+        sent = Sent()
+        for start in range(0, count, self.CHUNK):
+            chunk = [self.peer.message] * min(self.CHUNK, count - start)
+            batch = self.peer.messaging.send_each(chunk, app=self.peer.app)
+            sent.ok += batch.success_count
+            sent.failed += batch.failure_count
+            if batch.failure_count and not sent.first_error:
+                sent.first_error = repr(next(r.exception for r in batch.responses
+                                             if not r.success))
+        return sent
+
+    def close(self) -> None:
+        self.peer.close()
+
+
+class NotifyRunner(BulkRunner):
+    """pyfcm ``notify()`` one after another."""
+
+    def __init__(self, target: Target, concurrency: int) -> None:
+        self.peer = Pyfcm(target)
+        self.send(1)
+
+    def send(self, count: int) -> Sent:
+        sent = Sent()
+        for _ in range(count):
+            try:
+                self.peer.notify()
+                sent.ok += 1
+            except Exception as exc:
+                sent.count(exc)
+        return sent
+
+
+@dataclass
+class BulkRow:
+    """One line of table 2: how many messages, how, at what concurrency and answer delay."""
+
+    name: str
+    make: Callable[[Target, int], BulkRunner]
+    messages: int
+    concurrency: int  # messages in flight at once (1: sequential)
+    delay_ms: float
+    min_of_ideal: Optional[float] = None  # target: rate / ideal rate at least this
+    min_rate: Optional[float] = None  # target: messages per second at least this
+    max_memory_mb: Optional[float] = None  # target: peak resident memory growth below this
+    note: str = ""
+
+    @property
+    def ideal(self) -> Optional[float]:
+        """concurrency / latency: the rate of a client that costs nothing."""
+        return self.concurrency * 1000.0 / self.delay_ms if self.delay_ms else None
+
+
+PUSH_MANY_100 = "andpush push_many, concurrency 100"
+PUSH_SEQUENTIAL = "andpush push(), sequential"
+SEND_EACH = "firebase-admin send_each, chunks of 500 (peer)"
+NOTIFY_SEQUENTIAL = "pyfcm notify(), sequential (peer)"
+TEN_MILLION = "andpush push_many, concurrency 200 (10M/hour)"
+MEMORY = "andpush push_many, generator, concurrency 50"
+# (andpush row, peer row) in table 2
+BULK_PEER_PAIRS = [(PUSH_MANY_100, SEND_EACH), (PUSH_SEQUENTIAL, NOTIFY_SEQUENTIAL)]
+
+
+def bulk_rows(delay_ms: float, quick: bool, memory_messages: Optional[int]) -> List[BulkRow]:
+    """The rows of table 2; ``quick`` sends fewer messages."""
+    sequential = 20 if quick else 60
+    memory = memory_messages or (20000 if quick else 1000000)
+    return [
+        BulkRow(PUSH_MANY_100, PushManyRunner, 5000, 100, delay_ms, min_of_ideal=0.80),
+        BulkRow(PUSH_SEQUENTIAL, PushRunner, sequential, 1, delay_ms),
+        BulkRow(SEND_EACH, SendEachRunner, 2000 if quick else 5000, 500, delay_ms,
+                note="500 threads per chunk, 100 pooled connections"),
+        BulkRow(NOTIFY_SEQUENTIAL, NotifyRunner, sequential, 1, delay_ms),
+        BulkRow(TEN_MILLION, PushManyRunner, 8000 if quick else 20000, 200, delay_ms,
+                min_rate=3000.0),
+        BulkRow(MEMORY, PushManyRunner, memory, 50, 0.0, max_memory_mb=50.0,
+                note="--quick: only {:,} messages, too few to judge memory".format(memory)
+                if quick and not memory_messages else ""),
+    ]
+
+
+@dataclass
+class BulkResult:
+    row: BulkRow
+    status: str = "ok"  # or "error"/"skipped" (with a note saying why)
+    note: str = ""
+    sent: Sent = field(default_factory=Sent)
+    seconds: float = 0.0
+    client_cpu: float = 0.0  # seconds of CPU time of this process while sending
+    context_switches: int = 0  # of this process (all its threads) while sending
+    server: List[ServerStats] = field(default_factory=list)  # per server process, this row
+    memory_growth: Optional[int] = None  # bytes of peak resident memory growth
+    memory_how: str = ""
+
+    @property
+    def rate(self) -> float:
+        return self.sent.ok / self.seconds if self.seconds else 0.0
+
+    @property
+    def of_ideal(self) -> Optional[float]:
+        ideal = self.row.ideal
+        return self.rate / ideal if ideal else None
+
+    @property
+    def cpu_per_message(self) -> float:
+        """Client CPU seconds per message."""
+        return self.client_cpu / self.sent.ok if self.sent.ok else 0.0
+
+    @property
+    def client_share(self) -> float:
+        return self.client_cpu / self.seconds if self.seconds else 0.0
+
+    @property
+    def server_share(self) -> float:
+        """CPU of the busiest server process, as a share of one core over the row."""
+        busiest = max((s.cpu_seconds for s in self.server), default=0.0)
+        return busiest / self.seconds if self.seconds else 0.0
+
+    @property
+    def connections(self) -> int:
+        return sum(s.connections for s in self.server)
+
+    @property
+    def bound(self) -> str:
+        busiest = max((s.cpu_seconds for s in self.server), default=0.0)
+        return verdict(self.seconds, self.client_cpu, busiest,
+                       sum(s.cpu_seconds for s in self.server), self.row.delay_ms)
+
+    def targets(self) -> List[Tuple[str, Optional[bool]]]:
+        """(description, met: None when the row did not run) for each target of the row."""
+        ran = self.status == "ok"
+        row = self.row
+        found: List[Tuple[str, Optional[bool]]] = []
+        if row.min_of_ideal is not None:
+            found.append(("%s: %s msg/s = %s of the ideal %s/s (target >= %.2f)" % (
+                row.name, "{:,.0f}".format(self.rate), ratio_text(self.of_ideal),
+                "{:,.0f}".format(row.ideal or 0), row.min_of_ideal),
+                (self.of_ideal or 0.0) >= row.min_of_ideal if ran else None))
+        if row.min_rate is not None:
+            hours = 1e7 / self.rate / 3600 if self.rate else float("inf")
+            found.append(("%s: %s msg/s, %.0f us client CPU/msg; 10 million take %.2f h "
+                          "(target >= %s msg/s)" % (
+                              row.name, "{:,.0f}".format(self.rate),
+                              1e6 * self.cpu_per_message, hours,
+                              "{:,.0f}".format(row.min_rate)),
+                          self.rate >= row.min_rate if ran else None))
+        if row.max_memory_mb is not None:
+            growth = self.memory_growth
+            met = None if not ran or growth is None else growth < row.max_memory_mb * 1e6
+            found.append(("%s: %s messages, peak RSS grew %s (%s) (target < %g MB)" % (
+                row.name, "{:,}".format(self.sent.ok), mb_text(growth), self.memory_how,
+                row.max_memory_mb), met))
+        return found
+
+
+def verdict(seconds: float, client_cpu: float, busiest_server_cpu: float,
+            server_cpu: float, delay_ms: float) -> str:
+    """What held a row back (see the module docstring), from CPU seconds over ``seconds``."""
+    if not seconds:
+        return "-"
+    if busiest_server_cpu / seconds >= 0.85:
+        return "server CPU"
+    if (client_cpu + server_cpu) / seconds >= 1.7:
+        return "both cores"
+    if client_cpu / seconds >= 0.75:
+        return "client CPU"
+    return "latency" if delay_ms else "round trips"
+
+
+def ratio_text(value: Optional[float]) -> str:
+    return "-" if value is None else "%.2f" % value
+
+
+def mb_text(size: Optional[int]) -> str:
+    return "n/a" if size is None else "%.1f MB" % (size / 1e6)
+
+
+# Peak resident memory of this process during a row.
+
+
+def read_status_kib(name: str) -> Optional[int]:
+    """A ``/proc/self/status`` field in KiB (VmRSS, VmHWM), or None where there is none."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(name + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class PeakMemory:
+    """Peak resident memory growth over a stretch of time.
+
+    On Linux, writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current
+    resident size, so the growth is VmHWM at the end minus VmRSS at the start. Elsewhere
+    ru_maxrss before and after: growth past the process's earlier peak only.
+    """
+
+    def __init__(self) -> None:
+        self.how = "ru_maxrss"
+        self.start = self._maxrss()
+        try:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")
+            rss = read_status_kib("VmRSS")
+            if rss is not None and read_status_kib("VmHWM") is not None:
+                self.start, self.how = rss * 1024, "VmHWM - VmRSS"
+        except OSError:
+            pass
+
+    def growth(self) -> int:
+        if self.how == "ru_maxrss":
+            return self._maxrss() - self.start
+        return (read_status_kib("VmHWM") or 0) * 1024 - self.start
+
+    @staticmethod
+    def _maxrss() -> int:
+        if resource is None:
+            return 0
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return maxrss if sys.platform == "darwin" else maxrss * 1024  # macOS: bytes
+
+
+def context_switches() -> int:
+    if resource is None:
+        return 0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_nvcsw + usage.ru_nivcsw
+
+
+def measure_bulk(rows: Sequence[BulkRow], servers: Servers) -> List[BulkResult]:
+    """Run each bulk row once: set up and warm up (untimed), then send its messages."""
+    results = []
+    for row in rows:
+        result = BulkResult(row)
+        results.append(result)
+        progress("bulk: %s (%s messages)" % (row.name, "{:,}".format(row.messages)))
+        group = servers.group(row.delay_ms)
+        try:
+            runner = row.make(servers.target(row.delay_ms), row.concurrency)
+        except Exception as exc:
+            mark_failed(result, "set-up", exc)
+            continue
+        try:
+            server_before = group.stats()
+            memory = PeakMemory()
+            switches_before = context_switches()
+            cpu_before = time.process_time()
+            started = time.perf_counter()
+            result.sent = runner.send(row.messages)
+            result.seconds = time.perf_counter() - started
+            result.client_cpu = time.process_time() - cpu_before
+            result.context_switches = context_switches() - switches_before
+            result.memory_growth, result.memory_how = memory.growth(), memory.how
+            result.server = [after - before
+                             for after, before in zip(group.stats(), server_before)]
+        except Exception as exc:
+            mark_failed(result, "run", exc)
+        finally:
+            runner.close()
+        if result.status == "ok" and result.sent.failed:
+            result.status = "error"
+            result.note = "%d of %d messages failed, first: %s" % (
+                result.sent.failed, row.messages, result.sent.first_error)
+    return results
+
+
+def profile_bulk(row: BulkRow, servers: Servers, top: int) -> str:
+    """Run one bulk row under cProfile, one profiler per client thread, and report the top."""
+    profiles: List[cProfile.Profile] = []
+    lock = threading.Lock()
+    original_run = threading.Thread.run
+
+    def profiled_run(thread: threading.Thread) -> None:
+        profile = cProfile.Profile(time.thread_time)
+        with lock:
+            profiles.append(profile)
+        profile.runcall(original_run, thread)
+
+    runner = row.make(servers.target(row.delay_ms), row.concurrency)
+    main_profile = cProfile.Profile(time.thread_time)
+    threading.Thread.run = profiled_run  # type: ignore[method-assign]
+    try:
+        started = time.perf_counter()
+        cpu_before = time.process_time()
+        sent = main_profile.runcall(runner.send, row.messages)
+        seconds = time.perf_counter() - started
+        cpu = time.process_time() - cpu_before
+    finally:
+        threading.Thread.run = original_run  # type: ignore[method-assign]
+        runner.close()
+    out = io.StringIO()
+    stats = pstats.Stats(main_profile, stream=out)
+    for profile in profiles:
+        stats.add(profile)
+    out.write("%s: %d messages in %.2f s under the profiler (%.0f/s), %.0f us CPU/msg; "
+              "%d client threads profiled\n" % (row.name, sent.ok, seconds, sent.ok / seconds,
+                                                1e6 * cpu / max(sent.ok, 1), len(profiles) + 1))
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+# Reporting ###################################################################################
 
 
 def ranked(results: Sequence[Result]) -> List[Result]:
@@ -492,7 +1228,7 @@ def fastest_rate(results: Sequence[Result]) -> float:
 
 @dataclass
 class Comparison:
-    """A row's rate relative to its baseline row's, and whether it reaches its target."""
+    """A row's rate relative to another row's, and whether it reaches its target."""
 
     row: str
     baseline: str
@@ -514,26 +1250,35 @@ class Comparison:
         return text
 
 
-def comparisons(results: Sequence[Result]) -> List[Comparison]:
-    """One Comparison for each row that names a baseline."""
-    by_name = {r.row.name: r for r in results}
+def compare(rates: Dict[str, Optional[float]],
+            pairs: Sequence[Tuple[str, str, Optional[float]]]) -> List[Comparison]:
+    """Comparison of each (row, baseline, target) whose rows are known, ratio None if idle."""
     found = []
-    for result in results:
-        row = result.row
-        if row.baseline is None:
+    for row, baseline, target in pairs:
+        if row not in rates or baseline not in rates:
             continue
-        base = by_name.get(row.baseline)
-        ratio = None
-        if result.status == "ok" and base is not None and base.status == "ok" and base.rate:
-            ratio = result.rate / base.rate
-        found.append(Comparison(row.name, row.baseline, ratio, row.target))
+        rate, base = rates[row], rates[baseline]
+        found.append(Comparison(row, baseline, rate / base if rate and base else None, target))
     return found
 
 
-def format_table(results: Sequence[Result]) -> str:
+def comparisons(results: Sequence[Result]) -> List[Comparison]:
+    rates = {r.row.name: (r.rate if r.status == "ok" else None) for r in results}
+    pairs = [(r.row.name, r.row.baseline, r.row.target) for r in results if r.row.baseline]
+    return compare(rates, pairs + [(a, p, None) for a, p in PEER_PAIRS])
+
+
+def bulk_comparisons(results: Sequence[BulkResult]) -> List[Comparison]:
+    rates = {r.row.name: (r.rate if r.status == "ok" else None) for r in results}
+    return compare(rates, [(a, p, None) for a, p in BULK_PEER_PAIRS])
+
+
+def format_table(results: Sequence[Result], processes: int) -> str:
     fastest = fastest_rate(results)
     width = max([len("row")] + [len(r.row.name) for r in results])
-    lines = ["%-*s  %14s  %8s  %s" % (width, "row", "rate (i/s)", "spread", "comparison")]
+    layout = "%-*s  %14s  %8s  %13s  %6s  %6s  %10s"
+    lines = [layout % (width, "row", "rate (i/s)", "spread", "comparison", "client", "server",
+                       "bound by")]
     for result in ranked(results):
         name = result.row.name
         if result.status != "ok":
@@ -544,21 +1289,88 @@ def format_table(results: Sequence[Result]) -> str:
             comparison = "fastest"
         else:
             comparison = "%.2fx slower" % (fastest / result.rate)
-        lines.append("%-*s  %14s  %8s  %s" % (width, name, "{:,.1f}".format(result.rate),
-                                              "± %.1f%%" % result.spread, comparison))
-    found = comparisons(results)
-    if found:
-        lines.append("")
-        lines.extend(comparison.describe() for comparison in found)
+        seconds = result.seconds or 1.0
+        lines.append(layout % (
+            width, name, "{:,.1f}".format(result.rate), "± %.1f%%" % result.spread, comparison,
+            "%.0f%%" % (100 * result.client_cpu / seconds),
+            "%.0f%%" % (100 * result.server_cpu / seconds), result.bound))
+    lines.append("")
+    lines.extend(comparison.describe() for comparison in comparisons(results))
+    lines.extend(server_notes([(r.row.name, r.bound, r.client_cpu / (r.seconds or 1.0),
+                                r.server_cpu / (r.seconds or 1.0))
+                               for r in results if r.status == "ok"], processes))
     return "\n".join(lines)
+
+
+BULK_COLUMNS = [  # header, width
+    ("row", 0), ("messages", 9), ("conc.", 5), ("delay", 6), ("seconds", 7), ("msg/s", 8),
+    ("of ideal", 8), ("CPU/msg", 8), ("csw/msg", 7), ("client", 6), ("server", 6), ("conns", 5),
+    ("peak RSS +", 10), ("bound by", 10),
+]
+
+
+def format_bulk_table(results: Sequence[BulkResult], processes: int) -> str:
+    width = max([len("row")] + [len(r.row.name) for r in results])
+    widths = [width] + [w for _, w in BULK_COLUMNS[1:]]
+
+    def line(cells: Sequence[str]) -> str:
+        first = "%-*s" % (width, cells[0])
+        return "  ".join([first] + ["%*s" % (w, c) for w, c in zip(widths[1:], cells[1:])])
+
+    lines = [line([header for header, _ in BULK_COLUMNS])]
+    for r in results:
+        row = r.row
+        cells = [row.name, "{:,}".format(row.messages), str(row.concurrency),
+                 "%g ms" % row.delay_ms]
+        if r.status != "ok":
+            lines.append(line(cells) + "  %s: %s" % (r.status, r.note))
+            continue
+        cells += [
+            "%.2f" % r.seconds, "{:,.0f}".format(r.rate), ratio_text(r.of_ideal),
+            "%.0f us" % (1e6 * r.cpu_per_message),
+            "%.1f" % (r.context_switches / r.sent.ok if r.sent.ok else 0.0),
+            "%.0f%%" % (100 * r.client_share),
+            "%.0f%%" % (100 * r.server_share), str(r.connections), mb_text(r.memory_growth),
+            r.bound,
+        ]
+        lines.append(line(cells) + ("  (%s)" % row.note if row.note else ""))
+    lines.append("")
+    for r in results:
+        for description, met in r.targets():
+            verdict = {True: "met", False: "NOT met", None: "not measured"}[met]
+            lines.append("%s: %s" % (description, verdict))
+    for comparison in bulk_comparisons(results):
+        lines.append(comparison.describe())
+    lines.append("")
+    lines.extend(server_notes([(r.row.name, r.bound, r.client_share, r.server_share)
+                               for r in results if r.status == "ok"], processes))
+    return "\n".join(lines)
+
+
+def server_notes(rows: Sequence[Tuple[str, str, float, float]], processes: int) -> List[str]:
+    """Say which rows of (name, bound by, client share, server share) the server limited."""
+    notes = []
+    for name, bound, client_share, server_share in rows:
+        if bound in ("server CPU", "both cores"):
+            notes.append(
+                "NOTE %s: bound by %s: the busiest of %d server process(es) used %.0f%% of a "
+                "core and the client %.0f%% (%s CPUs in all): the fake server limits this row, "
+                "so its rate is a lower bound for the client" % (
+                    name, bound, processes, 100 * server_share, 100 * client_share,
+                    os.cpu_count()))
+    if not notes:
+        notes.append("The fake server limited no row of this table (each server process "
+                     "stayed under 85% of a core, client and server under 1.7 cores).")
+    return notes
 
 
 def json_results(results: Sequence[Result]) -> List[Dict[str, object]]:
     fastest = fastest_rate(results)
-    compared = {c.row: c for c in comparisons(results)}
+    compared = {c.row: c for c in comparisons(results) if c.target is not None}
     out = []
     for result in results:
         item: Dict[str, object] = {
+            "table": "sequential",
             "row": result.row.name,
             "status": result.status,
             "rate": result.rate,
@@ -567,6 +1379,9 @@ def json_results(results: Sequence[Result]) -> List[Dict[str, object]]:
             "samples": result.samples,
             "pushes": result.pushes,
             "server_delay_ms": result.row.delay_ms,
+            "client_cpu_share": result.client_cpu / result.seconds if result.seconds else None,
+            "server_cpu_share": result.server_cpu / result.seconds if result.seconds else None,
+            "bound_by": result.bound,
         }
         if result.note:
             item["note"] = result.note
@@ -578,14 +1393,51 @@ def json_results(results: Sequence[Result]) -> List[Dict[str, object]]:
     return out
 
 
-def describe_servers(stats: Dict[float, ServerStats], seconds: float) -> str:
+def json_bulk_results(results: Sequence[BulkResult]) -> List[Dict[str, object]]:
+    out = []
+    for r in results:
+        row = r.row
+        item: Dict[str, object] = {
+            "table": "bulk", "row": row.name, "status": r.status, "messages": row.messages,
+            "concurrency": row.concurrency, "server_delay_ms": row.delay_ms,
+        }
+        if r.status == "ok":
+            item.update(
+                ok=r.sent.ok, seconds=r.seconds, rate=r.rate, ideal=row.ideal,
+                of_ideal=r.of_ideal, client_cpu_seconds=r.client_cpu,
+                client_cpu_per_message_us=1e6 * r.cpu_per_message,
+                client_cpu_share=r.client_share, server_cpu_share=r.server_share,
+                client_context_switches=r.context_switches,
+                server_cpu_seconds=[s.cpu_seconds for s in r.server],
+                server_requests=sum(s.requests for s in r.server),
+                server_connections=r.connections, peak_rss_growth_bytes=r.memory_growth,
+                peak_rss_how=r.memory_how, bound_by=r.bound,
+            )
+        targets = r.targets()
+        if targets:
+            item["targets"] = [{"target": text, "met": met} for text, met in targets]
+        if r.note or row.note:
+            item["note"] = r.note or row.note
+        out.append(item)
+    for comparison in bulk_comparisons(results):
+        out.append({"table": "bulk", "comparison": comparison.describe(),
+                    "row": comparison.row, "baseline": comparison.baseline,
+                    "ratio": comparison.ratio})
+    return out
+
+
+def describe_servers(stats: Dict[float, List[ServerStats]], seconds: float) -> str:
     lines = []
-    for delay, s in sorted(stats.items()):
-        per_request = 1e6 * s.cpu_seconds / s.requests if s.requests else 0.0
+    for delay, group in sorted(stats.items()):
+        requests = sum(s.requests for s in group)
+        cpu = sum(s.cpu_seconds for s in group)
+        per_request = 1e6 * cpu / requests if requests else 0.0
         lines.append(
-            "fake server (thread per connection, answer delay %g ms): %d requests on %d "
-            "connections in %.1f s, %.1f s CPU (%.0f us/request incl. handshakes)"
-            % (delay, s.requests, s.connections, seconds, s.cpu_seconds, per_request)
+            "fake server (%d process(es), thread per connection, answer delay %g ms): %s "
+            "requests on %s connections in %.1f s, %.1f s CPU (%.0f us/request incl. "
+            "handshakes)" % (len(group), delay, "{:,}".format(requests),
+                             "{:,}".format(sum(s.connections for s in group)), seconds, cpu,
+                             per_request)
         )
     return "\n".join(lines)
 
@@ -595,21 +1447,36 @@ def describe_servers(stats: Dict[float, ServerStats], seconds: float) -> str:
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Offline benchmark: pushes per second of andpush and reference clients "
+        description="Offline benchmark: messages per second of andpush and other clients "
         "against a local TLS fake FCM server (see the module docstring for how to read it)."
     )
     parser.add_argument("--quick", action="store_true",
-                        help="a few-second run: shorter warm-up, 3 short samples")
+                        help="a run of about 20 s: short samples, fewer bulk messages")
     parser.add_argument("--json", action="store_true",
-                        help="print the results as JSON (a list of rows) instead of a table")
-    parser.add_argument("--samples", type=int, help="timed samples per row (default 5)")
-    parser.add_argument("--duration", type=float, help="seconds per sample (default 1.0)")
-    parser.add_argument("--warmup", type=float, help="warm-up seconds per row (default 0.5)")
+                        help="print the results as JSON (a list of rows) instead of tables")
+    parser.add_argument("--samples", type=int, help="table 1: timed samples per row (default 5)")
+    parser.add_argument("--duration", type=float,
+                        help="table 1: seconds per sample (default 1.0)")
+    parser.add_argument("--warmup", type=float,
+                        help="table 1: warm-up seconds per row (default 0.5)")
+    parser.add_argument("--delay-ms", type=float, default=50.0,
+                        help="table 2: the fake FCM latency of the latency-bound rows "
+                        "(default 50)")
+    parser.add_argument("--memory-messages", type=int,
+                        help="table 2: messages of the bounded-memory row (default 1,000,000; "
+                        "--quick 20,000)")
+    parser.add_argument("--server-processes", type=int, default=1,
+                        help="fake server processes per answer delay, sharing a port "
+                        "(default 1)")
     parser.add_argument("--row", action="append", metavar="TEXT",
                         help="run only rows whose name contains TEXT (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the rows and exit")
+    parser.add_argument("--profile", metavar="TEXT",
+                        help="profile the client side of the first bulk row whose name "
+                        "contains TEXT, instead of the tables")
     # The fake server's own process: this script started again by FakeServer.
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--cert", help=argparse.SUPPRESS)
     parser.add_argument("--key", help=argparse.SUPPRESS)
     parser.add_argument("--server-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -623,29 +1490,72 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         args.warmup = 0.2 if quick else 0.5
     if args.samples < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("need --samples >= 1, --duration > 0 and --warmup >= 0")
+    if args.delay_ms <= 0 or args.server_processes < 1:
+        parser.error("need --delay-ms > 0 and --server-processes >= 1")
     return args
+
+
+def peer_versions() -> str:
+    """Which peers this run could use, with their versions."""
+    found = []
+    for name, module in PEER_MODULES.items():
+        if importlib.util.find_spec(module) is None:
+            found.append("%s not installed" % name)
+            continue
+        try:
+            from importlib import metadata
+            found.append("%s %s" % (name, metadata.version(name)))
+        except Exception:  # no metadata: still say it is there
+            found.append("%s (version unknown)" % name)
+    return ", ".join(found)
+
+
+def load_average() -> str:
+    """The machine's 1-minute load average, or "?" where there is none."""
+    try:
+        return "%.1f" % os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return "?"
+
+
+def selected(names: Sequence[str], texts: Optional[Sequence[str]]) -> List[bool]:
+    return [not texts or any(text in name for text in texts) for name in names]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.serve:
-        return serve(args.cert, args.key, args.server_delay_ms)
-    rows = [row for row in ROWS if not args.row or any(t in row.name for t in args.row)]
-    if args.list or not rows:
-        for row in ROWS:
-            print(row.name)
+        return serve(args.cert, args.key, args.server_delay_ms, args.port)
+    all_bulk = bulk_rows(args.delay_ms, args.quick, args.memory_messages)
+    rows = [r for r, keep in zip(ROWS, selected([r.name for r in ROWS], args.row)) if keep]
+    bulk = [r for r, keep in zip(all_bulk, selected([r.name for r in all_bulk], args.row))
+            if keep]
+    if args.list or not (rows or bulk):
+        for name in [r.name for r in ROWS] + [r.name for r in all_bulk]:
+            print(name)
         return 0 if args.list else 2
+    load_before = load_average()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
         cert_file = os.path.join(folder, "server.pem")
         key_file = os.path.join(folder, "server.key")
-        with open(cert_file, "w") as f:
-            f.write(TEST_SERVER_CERT_PEM)
-        with open(key_file, "w") as f:
-            f.write(TEST_SERVER_KEY_PEM)
-        servers = Servers(cert_file, key_file)
+        ca_file = os.path.join(folder, "ca.pem")
+        for path, text in ((cert_file, TEST_SERVER_CERT_PEM), (key_file, TEST_SERVER_KEY_PEM),
+                           (ca_file, TEST_CA_PEM)):
+            with open(path, "w") as f:
+                f.write(text)
+        trust_test_ca(ca_file)
+        servers = Servers(cert_file, key_file, args.server_processes)
         try:
+            if args.profile:
+                chosen = [r for r in all_bulk if args.profile in r.name]
+                if not chosen:
+                    progress("no bulk row matches %r (see --list)" % args.profile)
+                    return 2
+                print(profile_bulk(chosen[0], servers, top=25))
+                return 0
             results = measure(rows, servers, args.warmup, args.samples, args.duration)
+            bulk_results = measure_bulk(bulk, servers)
         except KeyboardInterrupt:
             progress("interrupted")
             return 130
@@ -653,18 +1563,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             server_stats = servers.stop_all()
     elapsed = time.perf_counter() - started
     if args.json:
-        print(json.dumps(json_results(results), indent=2))
+        print(json.dumps(json_results(results) + json_bulk_results(bulk_results), indent=2))
     else:
-        print("andpush benchmark: %d samples x %g s per row, rows interleaved, after %g s "
-              "warm-up" % (args.samples, args.duration, args.warmup))
-        print("andpush %s on %s %s, %s, %s CPUs" % (
-            getattr(andpush, "__version__", "?"), platform.python_implementation(),
-            platform.python_version(), ssl.OPENSSL_VERSION, os.cpu_count()))
-        print()
-        print(format_table(results))
+        print("andpush benchmark: %d samples x %g s per row of table 1, rows interleaved, "
+              "after %g s warm-up%s" % (args.samples, args.duration, args.warmup,
+                                        "; --quick" if args.quick else ""))
+        print("andpush %s on %s %s, %s, %s CPUs; load average %s at the start, %s at the "
+              "end; took %.0f s" % (
+                  getattr(andpush, "__version__", "?"), platform.python_implementation(),
+                  platform.python_version(), ssl.OPENSSL_VERSION, os.cpu_count(),
+                  load_before, load_average(), elapsed))
+        print("peers: %s" % peer_versions())
+        if rows:
+            print()
+            print("Table 1: sequential pushes, zero answer delay")
+            print(format_table(results, args.server_processes))
+        if bulk:
+            print()
+            print("Table 2: bulk sends, v1 API; ideal = concurrency / answer delay")
+            print(format_bulk_table(bulk_results, args.server_processes))
         print()
         print(describe_servers(server_stats, elapsed))
-    return 1 if any(r.status == "error" for r in results) else 0
+    everything = list(results) + list(bulk_results)
+    return 1 if any(r.status == "error" for r in everything) else 0
 
 
 if __name__ == "__main__":
