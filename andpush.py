@@ -1127,15 +1127,7 @@ class _Connection:
         self._buffer += chunk
 
     def _read_response(self) -> Tuple[Response, bool]:
-        head_end = self._buffer.find(b"\r\n\r\n")
-        while head_end < 0:
-            if len(self._buffer) > _MAX_HEAD:
-                raise _ProtocolError("response headers exceed %d bytes" % _MAX_HEAD)
-            self._fill_answer()
-            head_end = self._buffer.find(b"\r\n\r\n")
-        head = bytes(self._buffer[:head_end]).decode("latin-1")
-        del self._buffer[:head_end + 4]
-        lines = head.split("\r\n")
+        lines = self._read_until(b"\r\n\r\n", "the response head").decode("latin-1").split("\r\n")
         version, status, reason = _parse_status_line(lines[0])
         headers = Headers(_parse_header_lines(lines[1:]))
         if headers.get("transfer-encoding", "").lower() == "chunked":
@@ -1170,21 +1162,22 @@ class _Connection:
         del self._buffer[:size]
         return body
 
-    def _read_line(self) -> bytes:
-        end = self._buffer.find(b"\r\n")
+    def _read_until(self, separator: bytes, what: str) -> bytes:
+        """The bytes before ``separator``, which is consumed too; at most _MAX_HEAD of them."""
+        end = self._buffer.find(separator)
         while end < 0:
             if len(self._buffer) > _MAX_HEAD:
-                raise _ProtocolError("a chunk header exceeds %d bytes" % _MAX_HEAD)
+                raise _ProtocolError("%s exceeds %d bytes" % (what, _MAX_HEAD))
             self._fill_answer()
-            end = self._buffer.find(b"\r\n")
-        line = bytes(self._buffer[:end])
-        del self._buffer[:end + 2]
-        return line
+            end = self._buffer.find(separator)
+        data = bytes(self._buffer[:end])
+        del self._buffer[:end + len(separator)]
+        return data
 
     def _read_chunked(self) -> bytes:
         body = bytearray()
         while True:
-            size_text = self._read_line().split(b";", 1)[0].strip()
+            size_text = self._read_until(b"\r\n", "a chunk line").split(b";", 1)[0].strip()
             try:
                 size = int(size_text, 16)
             except ValueError:
@@ -1194,9 +1187,9 @@ class _Connection:
             if len(body) + size > _MAX_BODY:
                 raise _ProtocolError("chunked response body exceeds %d bytes" % _MAX_BODY)
             body += self._read_exact(size)
-            if self._read_line():
+            if self._read_until(b"\r\n", "a chunk line"):
                 raise _ProtocolError("chunk data not followed by CRLF")
-        while self._read_line():
+        while self._read_until(b"\r\n", "a chunk line"):
             pass  # trailers carry nothing FCM uses
         return bytes(body)
 

@@ -528,6 +528,8 @@ class FakeFCM:
     All counters and lists may be read by tests at any time.
     """
 
+    actions: Tuple[str, ...] = MISBEHAVIOURS  # what inject() takes besides a Reply
+
     def __init__(self, tls: bool = True) -> None:
         # What tests set.
         self.tls = tls  # False: plain HTTP, as the GCE metadata server speaks
@@ -632,8 +634,8 @@ class FakeFCM:
     def inject(self, *actions: Action) -> None:
         """Queue answers for the next requests, across all connections, in arrival order."""
         for action in actions:
-            if not isinstance(action, Reply) and action not in MISBEHAVIOURS:
-                raise ValueError(f"not a Reply nor a misbehaviour: {action!r}")
+            if not isinstance(action, Reply) and action not in self.actions:
+                raise ValueError(f"not a Reply nor one of {self.actions}: {action!r}")
         with self._lock:
             self._actions.extend(actions)
 
@@ -3822,6 +3824,8 @@ class FakeFCM2(FakeGoogle):
     and is closed. close_every is HTTP/1.1's only.
     """
 
+    actions = H2_ACTIONS
+
     def __init__(self, alpn: Tuple[str, ...] = ("h2",), max_concurrent_streams: int = 100) -> None:
         if h2 is None:
             raise RuntimeError("FakeFCM2 needs the h2 package (pip install h2)")
@@ -3880,14 +3884,6 @@ class FakeFCM2(FakeGoogle):
         self._window_released = threading.Event()
         self._sessions: Set["_H2Session"] = set()
         self._answers = 0
-
-    def inject(self, *actions: Action) -> None:
-        """Queue answers for the next streams, across all connections, in arrival order."""
-        for action in actions:
-            if not isinstance(action, Reply) and action not in H2_ACTIONS:
-                raise ValueError(f"not a Reply nor an HTTP/2 action: {action!r}")
-        with self._lock:
-            self._actions.extend(actions)
 
     @property
     def waiting_for_window(self) -> int:
