@@ -2,7 +2,8 @@
 
 One module, standard library only, Python 3.8+. Pushes go over kept-alive HTTPS
 connections from a thread-safe, fork-safe pool, so one TLS handshake serves any
-number of messages; the OAuth2 tokens of the HTTP v1 API are signed in pure Python::
+number of messages; push_many multiplexes them over HTTP/2 when the server offers it;
+the OAuth2 tokens of the HTTP v1 API are signed in pure Python::
 
     import andpush
 
