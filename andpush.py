@@ -336,6 +336,7 @@ _JWT_LIFETIME = 3600           # seconds, the most Google accepts
 _TOKEN_REFRESH_MARGIN = 300.0  # seconds before expiry at which a token is replaced
 _TOKEN_RETRIES = 2             # extra attempts for a token endpoint answering 5xx/408/429
 _TOKEN_BACKOFF = 0.5           # seconds before the first of those
+_TOKEN_FAILURE_HOLD = 1.0      # seconds a failed token request answers for the next ones
 
 # DER tags used by PKCS#1 / PKCS#8 private keys.
 _DER_INTEGER = 0x02
@@ -764,7 +765,9 @@ class _TokenCache:
     """The current access token, refreshed shortly before it expires.
 
     However many threads find it stale at once, one of them fetches (single flight);
-    the others wait and share its token or its error.
+    the others wait and share its token or its error. A failure is given to every caller
+    for a second before the next try, so that a push_many over broken credentials does
+    not ask the token endpoint once per message.
     """
 
     def __init__(self, credentials: _Credentials) -> None:
@@ -774,6 +777,7 @@ class _TokenCache:
         self._expires = 0.0
         self._generation = 0
         self._error: Optional[Error] = None
+        self._error_until = 0.0
 
     def get(self) -> str:
         token = self._token
@@ -781,11 +785,11 @@ class _TokenCache:
             return token
         generation = self._generation
         with self._lock:
-            if self._generation != generation:
-                if self._error is not None:
-                    raise self._error
-                if self._token is not None:
-                    return self._token
+            fresh = self._generation != generation or time.monotonic() < self._error_until
+            if fresh and self._error is not None:
+                raise self._error
+            if self._generation != generation and self._token is not None:
+                return self._token
             return self._refresh()
 
     def invalidate(self, token: str) -> None:
@@ -799,6 +803,7 @@ class _TokenCache:
             token, lifetime = self.credentials.fetch()
         except Error as exc:
             self._token, self._error = None, exc
+            self._error_until = time.monotonic() + _TOKEN_FAILURE_HOLD
             raise
         finally:
             self._generation += 1

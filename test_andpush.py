@@ -2712,6 +2712,13 @@ class TokenTest(V1TestCase):
         self.assertEqual(len(token_requests), 1 + len(self.server.issued))
         self.assertLessEqual(len(token_requests), 8 - len(errors) + 1)
 
+    def test_a_failure_answers_for_the_next_second_without_asking_again(self) -> None:
+        self.server.inject(Reply(400, json={"error": "invalid_grant"}))
+        client = self.v1_client()
+        outcomes = list(client.push_many([V1_MESSAGE] * 20, concurrency=1))
+        self.assertTrue(all(isinstance(o, andpush.AuthError) for o in outcomes))
+        self.assertEqual(self.server.processed, 1)  # one token request, no send
+
     def test_token_endpoint_errors_say_what_the_server_said(self) -> None:
         self.server.inject(Reply(400, json={
             "error": "invalid_grant",
