@@ -19,6 +19,7 @@ import pathlib
 import random
 import re
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -3139,6 +3140,31 @@ class ReadmeExamplesTest(unittest.TestCase):
                 os.chdir(cwd)
             self.assertEqual(server.errors, [])
             self.assertGreater(server.processed, 10)
+
+    def test_every_command_line_example_runs(self) -> None:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
+            blocks = re.findall(r"```sh\n(.*?)```", f.read(), re.DOTALL)
+        commands = [line for block in blocks for line in block.splitlines()
+                    if line.startswith("andpush ")]
+        self.assertGreaterEqual(len(commands), 5)
+        with FakeGoogle() as server, tempfile.TemporaryDirectory() as directory:
+            with open(os.path.join(directory, "key.json"), "w") as file:
+                json.dump(service_account_info(server), file)
+            with open(os.path.join(directory, "ca.pem"), "w") as file:
+                file.write(TEST_CA_PEM)
+            with open(os.path.join(directory, "tokens.txt"), "w") as file:
+                file.write("# test devices\ntoken-1\n\ntoken-2\n")
+            here = os.path.dirname(os.path.abspath(__file__))
+            for command in commands:
+                with self.subTest(command):
+                    argv = shlex.split(command)[1:] + ["--endpoint", server.endpoint,
+                                                       "--cafile", "ca.pem"]
+                    done = subprocess.run(
+                        [sys.executable, "-m", "andpush"] + argv, cwd=directory,
+                        env=dict(os.environ, PYTHONPATH=here), capture_output=True, text=True,
+                        timeout=60)
+                    self.assertEqual(done.returncode, 0, done.stderr)
+            self.assertEqual(server.errors, [])
 
 
 # The command line, run as a user runs it ####################################################
