@@ -1883,6 +1883,8 @@ _H2_DEFAULT_WINDOW = 65535    # what RFC 9113 starts every window at
 _H2_FRAME = 16384             # the largest frame we accept (the default; we never raise it)
 _H2_HEADER_TABLE = 4096       # the dynamic table we decode, whatever we advertise (we say 0)
 _H2_PING_QUIET = 10.0         # seconds without a frame, streams open, before one PING
+_H2_BLOCK_CACHE = 64          # request header blocks a connection remembers
+_H2_WRITE_BATCH = 16384       # bytes of new streams queued before they are written
 _H2_LAST_STREAM = (1 << 31) - 1
 _H2_SETTINGS_FRAME = (
     b"\x00\x00\x12\x04\x00\x00\x00\x00\x00"    # SETTINGS, 3 settings of 6 bytes
@@ -1947,6 +1949,7 @@ class _H2Connection:
             _WINDOW_UPDATE, 0, 0, (_H2_WINDOW - _H2_DEFAULT_WINDOW).to_bytes(4, "big")))
         self._written = 0                  # bytes of output the socket has taken, ever
         self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
+        self._blocks: Dict[Tuple[Any, ...], bytes] = {}
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
         self.streams: Dict[int, _H2Stream] = {}
         self.finished: List[_H2Stream] = []
@@ -1982,15 +1985,28 @@ class _H2Connection:
         self._next_id += 2
         stream.first_byte = self._written + len(self._out)
         stream.send_window = self._peer_initial_window
-        fields = [(":method", method), (":scheme", self._scheme),
-                  (":authority", self._authority), (":path", path),
-                  ("user-agent", _USER_AGENT), ("content-length", str(len(body)))]
-        fields.extend((name.lower(), value) for name, value in headers.items())
-        self._queue_headers(stream.id, _hpack_encode(fields), end_stream=not body)
+        self._queue_headers(stream.id, self._header_block_for(method, path, headers, len(body)),
+                            end_stream=not body)
         self.streams[stream.id] = stream
         stream.pending = body
         self._send_data(stream)
         return stream
+
+    def _header_block_for(self, method: str, path: str, headers: Dict[str, str],
+                          length: int) -> bytes:
+        """The HPACK block of a request; the same few recur, so they are remembered."""
+        key = (method, path, length, *headers.items())
+        block = self._blocks.get(key)
+        if block is None:
+            fields = [(":method", method), (":scheme", self._scheme),
+                      (":authority", self._authority), (":path", path),
+                      ("user-agent", _USER_AGENT), ("content-length", str(length))]
+            fields.extend((name.lower(), value) for name, value in headers.items())
+            block = _hpack_encode(fields)
+            if len(self._blocks) >= _H2_BLOCK_CACHE:
+                self._blocks.clear()
+            self._blocks[key] = block
+        return block
 
     def _queue_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
         first, rest = block[:self._peer_frame], block[self._peer_frame:]
@@ -2015,8 +2031,8 @@ class _H2Connection:
     # Reading and writing ------------------------------------------------------
 
     @property
-    def wants_write(self) -> bool:
-        return bool(self._out)
+    def pending_output(self) -> int:
+        return len(self._out)
 
     def flush(self) -> None:
         """Write what the (non-blocking) socket takes now."""
@@ -2201,8 +2217,11 @@ class _H2Connection:
 
     def expire(self, now: float) -> None:
         """End the streams past their deadline; PING a connection that went quiet."""
-        for stream in [s for s in self.streams.values() if s.deadline <= now]:
-            self._reset(stream, NetworkError(
+        while self.streams:
+            oldest = next(iter(self.streams.values()))  # streams are kept in the order started
+            if oldest.deadline > now:
+                break
+            self._reset(oldest, NetworkError(
                 "no answer within the read timeout", may_have_been_delivered=True))
         if self.streams and not self._pinged and now - self.last_frame > _H2_PING_QUIET:
             self._out += _frame(_PING, 0, 0, b"andpush!")
@@ -2228,7 +2247,7 @@ class _H2Connection:
         if not self.streams:
             return math.inf
         quiet = math.inf if self._pinged else self.last_frame + _H2_PING_QUIET
-        return min(quiet, min(s.deadline for s in self.streams.values()))
+        return min(quiet, next(iter(self.streams.values())).deadline)
 
     def close(self) -> None:
         self.closed = True
@@ -2349,10 +2368,13 @@ def _check_data(data: object, where: str) -> None:
             raise ValueError("message %s key %r is reserved by FCM; rename it" % (where, key))
 
 
+_JSON_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
 def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
     """Serialise a message, with a clear TypeError/ValueError when it cannot be."""
     try:
-        text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = _JSON_ENCODE(message)
     except TypeError as exc:
         raise TypeError("%s is not JSON-serialisable: %s" % (what, exc)) from None
     except ValueError as exc:
@@ -2706,40 +2728,45 @@ class _Work:
     def run(self, work: Callable[[Any], Outcome]) -> None:
         """A sending thread: work items, one at a time, until there are none."""
         while True:
-            taken = self.take(block=True)
-            if taken is None:
+            taken = self.take(1, block=True)
+            if not taken:
                 return
-            self.store(taken[0], work(taken[1]))
+            index, item = taken[0]
+            self.store([(index, work(item))])
 
-    def take(self, block: bool) -> Optional[Tuple[int, Any]]:
-        """The next item and its index; None when there are no more (or, not blocking,
-        while the window is full)."""
+    def take(self, most: int, block: bool) -> List[Tuple[int, Any]]:
+        """Up to ``most`` items with their indexes; none when the input is done (or, not
+        blocking, while the window is full)."""
+        taken: List[Tuple[int, Any]] = []
         with self._condition:
             while not self.stopped and self._read - self._yielded >= self._window:
                 if not block:
                     self._sender_waits = True
-                    return None
+                    return taken
                 self._condition.wait()
-            if self.stopped or self.exhausted:
-                return None
-            try:
-                item = next(self._items)
-            except StopIteration:
-                self.exhausted = True
-                self._condition.notify_all()
-                return None
-            except BaseException as exc:  # the caller's generator failed: hand it over
-                self.exhausted, self._error = True, exc
-                self._condition.notify_all()
-                return None
-            self._read += 1
-            return self._read - 1, item
+            room = min(most, self._window - (self._read - self._yielded))
+            while len(taken) < room and not (self.stopped or self.exhausted):
+                try:
+                    taken.append((self._read, next(self._items)))
+                except StopIteration:
+                    self.exhausted = True
+                    self._condition.notify_all()
+                except BaseException as exc:  # the caller's generator failed: hand it over
+                    self.exhausted, self._error = True, exc
+                    self._condition.notify_all()
+                else:
+                    self._read += 1
+            if not block and len(taken) < most and not self.exhausted:
+                self._sender_waits = True
+        return taken
 
-    def store(self, index: int, outcome: Outcome) -> None:
+    def store(self, outcomes: List[Tuple[int, Outcome]]) -> None:
+        """Hand over finished outcomes (by their items' indexes); report progress."""
         with self._condition:
-            self._outcomes[index] = outcome
-            self._done += 1
-            self._failed += isinstance(outcome, Exception)
+            for index, outcome in outcomes:
+                self._outcomes[index] = outcome
+                self._failed += isinstance(outcome, Exception)
+            self._done += len(outcomes)
             counts = self._done, self._failed
             self._condition.notify_all()
         if self._progress is not None:
@@ -2819,6 +2846,7 @@ class _H2Sender:
         self._timers: List[Tuple[float, int, _H2Job]] = []
         self._timer_seq = 0
         self._jobs = 0                     # taken from the input and not finished
+        self._outcomes: List[Tuple[int, Outcome]] = []  # finished, for _Work in one go
         self._add(first)
         threading.Thread(target=self._run, name="andpush-h2", daemon=True).start()
 
@@ -2833,8 +2861,10 @@ class _H2Sender:
                 self._start_streams()
                 for connection in self._connections:
                     self._flush(connection)
+                self._hand_over()
                 self._wait()
                 self._expire()
+            self._hand_over()
         except BaseException as exc:  # a bug or a KeyboardInterrupt: hand it to the consumer
             self._work.crash(exc)
         finally:
@@ -2844,17 +2874,19 @@ class _H2Sender:
             self._wake_r.close()
             self._wake_w.close()
 
+    def _hand_over(self) -> None:
+        """Give the consumer the outcomes finished since the last time, in one go."""
+        if self._outcomes:
+            self._work.store(self._outcomes)
+            self._outcomes = []
+
     def _take(self) -> None:
         """Take messages from the input while fewer than ``concurrency`` are under way."""
-        while self._jobs < self._concurrency:
-            taken = self._work.take(block=False)
-            if taken is None:
-                return
-            index, message = taken
+        for index, message in self._work.take(self._concurrency - self._jobs, block=False):
             try:
                 path, body, tokens = self._client._api.prepare(message, False)
             except (Error, TypeError, ValueError) as exc:
-                self._work.store(index, exc)
+                self._outcomes.append((index, exc))
                 continue
             self._jobs += 1
             self._ready.append(_H2Job(index, path, body, tokens, self._client._retry))
@@ -2863,10 +2895,14 @@ class _H2Sender:
         now = time.monotonic()
         while self._timers and self._timers[0][0] <= now:
             self._ready.append(heapq.heappop(self._timers)[2])
+        connection: Optional[_H2Connection] = None
         while self._ready:
-            connection = self._connection_with_room()
-            if connection is None:
-                return
+            if connection is None or not connection.free_streams:
+                if connection is not None:
+                    self._flush(connection)
+                connection = self._connection_with_room()
+                if connection is None:
+                    return
             job = self._ready.popleft()
             delay = self._client._reserve_send() - self._client._clock()
             if delay > 0:
@@ -2878,6 +2914,8 @@ class _H2Sender:
                 self._finish(job, exc)
                 continue
             connection.start("POST", job.path, headers, job.body, job, now)
+            if connection.pending_output >= _H2_WRITE_BATCH:
+                self._flush(connection)  # the first answers come sooner
 
     def _connection_with_room(self) -> Optional[_H2Connection]:
         """A connection that may start a stream, opening one when all are full."""
@@ -2910,7 +2948,7 @@ class _H2Sender:
             connection.flush()
         except OSError as exc:
             connection.fail("the connection broke: %s" % _reason(exc))
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.wants_write else 0)
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.pending_output else 0)
         self._selector.modify(connection.sock, events, connection)
 
     def _wait(self) -> None:
@@ -2978,7 +3016,7 @@ class _H2Sender:
 
     def _finish(self, job: _H2Job, outcome: Outcome) -> None:
         self._jobs -= 1
-        self._work.store(job.index, outcome)
+        self._outcomes.append((job.index, outcome))
 
 
 def new(
