@@ -1886,12 +1886,9 @@ _H2_PING_QUIET = 10.0         # seconds without a frame, streams open, before on
 _H2_BLOCK_CACHE = 64          # request header blocks a connection remembers
 _H2_WRITE_BATCH = 16384       # bytes of new streams queued before they are written
 _H2_LAST_STREAM = (1 << 31) - 1
-_H2_SETTINGS_FRAME = (
-    b"\x00\x00\x12\x04\x00\x00\x00\x00\x00"    # SETTINGS, 3 settings of 6 bytes
-    + b"\x00\x01\x00\x00\x00\x00"               # HEADER_TABLE_SIZE 0
-    + b"\x00\x02\x00\x00\x00\x00"               # ENABLE_PUSH 0
-    + b"\x00\x04" + _H2_WINDOW.to_bytes(4, "big")  # INITIAL_WINDOW_SIZE
-)
+# What we tell the server first: no dynamic table, no server push, large stream windows.
+_H2_SETTINGS = ((_SETTINGS_HEADER_TABLE_SIZE, 0), (_SETTINGS_ENABLE_PUSH, 0),
+                (_SETTINGS_INITIAL_WINDOW_SIZE, _H2_WINDOW))
 
 
 class _H2Error(Exception):
@@ -1945,7 +1942,9 @@ class _H2Connection:
         self._scheme = origin.scheme
         self._read_timeout = read_timeout
         self._in = bytearray()
-        self._out = bytearray(_H2_PREFACE + _H2_SETTINGS_FRAME + _frame(
+        settings = b"".join(name.to_bytes(2, "big") + value.to_bytes(4, "big")
+                            for name, value in _H2_SETTINGS)
+        self._out = bytearray(_H2_PREFACE + _frame(_SETTINGS, 0, 0, settings) + _frame(
             _WINDOW_UPDATE, 0, 0, (_H2_WINDOW - _H2_DEFAULT_WINDOW).to_bytes(4, "big")))
         self._written = 0                  # bytes of output the socket has taken, ever
         self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
