@@ -1289,7 +1289,9 @@ class _Pool:
         Returns the idle connection, or None after counting a new one as open.
         """
         if self._pid != os.getpid():
-            log.debug("process forked: dropping the connections of the parent")
+            log.debug("process forked: closing this process's copies of the parent's sockets")
+            for connection in self._idle:
+                connection.close()  # only the fd: nothing is sent, the parent's stays open
             self._reset()
         with self._condition:
             while True:

@@ -3138,6 +3138,9 @@ class ReadmeExamplesTest(unittest.TestCase):
                     namespace["notify"](TOKEN, "Hello")
             finally:
                 os.chdir(cwd)
+                for value in namespace.values():
+                    if isinstance(value, andpush.Client):
+                        value.close()
             self.assertEqual(server.errors, [])
             self.assertGreater(server.processed, 10)
 
