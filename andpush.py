@@ -2811,7 +2811,7 @@ class _Work:
 class _H2Job:
     """One message of push_many on its way through the HTTP/2 sender."""
 
-    __slots__ = ("index", "path", "body", "tokens", "retry", "token")
+    __slots__ = ("index", "path", "body", "tokens", "retry", "token", "paced")
 
     def __init__(self, index: int, path: str, body: bytes, tokens: Tuple[str, ...],
                  retry: _Retry) -> None:
@@ -2820,7 +2820,8 @@ class _H2Job:
         self.body = body
         self.tokens = tokens
         self.retry = retry
-        self.token = ""
+        self.token = ""            # the access token it was last sent with
+        self.paced = False         # it waits for the moment rate_limit gave it
 
 
 class _H2Sender:
@@ -2905,10 +2906,13 @@ class _H2Sender:
                 if connection is None:
                     return
             job = self._ready.popleft()
-            delay = self._client._reserve_send() - self._client._clock()
-            if delay > 0:
-                self._schedule(job, delay)
-                continue
+            if not job.paced:
+                delay = self._client._reserve_send() - self._client._clock()
+                if delay > 0:
+                    job.paced = True
+                    self._schedule(job, delay)
+                    continue
+            job.paced = False
             try:
                 headers, job.token = self._client._api.headers()
             except Error as exc:

@@ -4645,6 +4645,17 @@ class HTTP2Test(ServerTestCase):
         self.assertEqual(sent_counts(self.server)["t2"], 2)
         self.assertIsInstance(outcomes[0], andpush.Response)
 
+    def test_rate_limit_holds_over_http2(self) -> None:
+        client = self.h2_client(rate_limit=50)
+        reserve = unittest.mock.Mock(wraps=client._reserve_send)
+        client._reserve_send = reserve  # type: ignore[method-assign]
+        started = time.monotonic()
+        outcomes = list(client.push_many([{"token": "t%d" % i} for i in range(11)]))
+        self.assert_all_sent_once(outcomes, 11)
+        # Eleven sends at 50 a second take 0.2 s at least, each waiting for its own slot once.
+        self.assertGreaterEqual(time.monotonic() - started, 0.2)
+        self.assertEqual(reserve.call_count, 11)
+
     def test_bad_messages_are_outcomes_not_sends(self) -> None:
         client = self.h2_client()
         outcomes = list(client.push_many([{"token": "a"}, {"token": "b", "data": {"n": 1}}]))
