@@ -4650,7 +4650,12 @@ class HTTP2Test(ServerTestCase):
         reserve = unittest.mock.Mock(wraps=client._reserve_send)
         client._reserve_send = reserve  # type: ignore[method-assign]
         started = time.monotonic()
-        outcomes = list(client.push_many([{"token": "t%d" % i} for i in range(11)]))
+        outcomes: List[Any] = []
+        sender = threading.Thread(target=lambda: outcomes.extend(
+            client.push_many([{"token": "t%d" % i} for i in range(11)])), daemon=True)
+        sender.start()
+        sender.join(20)
+        self.assertFalse(sender.is_alive(), "push_many under rate_limit never finished")
         self.assert_all_sent_once(outcomes, 11)
         # Eleven sends at 50 a second take 0.2 s at least, each waiting for its own slot once.
         self.assertGreaterEqual(time.monotonic() - started, 0.2)
