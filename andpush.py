@@ -1886,6 +1886,7 @@ _H2_FRAME = 16384             # the largest frame we accept (the default; we nev
 _H2_HEADER_TABLE = 4096       # the dynamic table we decode, whatever we advertise (we say 0)
 _H2_PING_QUIET = 10.0         # seconds without a frame, streams open, before one PING
 _H2_BLOCK_CACHE = 64          # request header blocks a connection remembers
+_H2_REFUSALS = 5              # refused streams sent again at once; then the retry policy
 _H2_WRITE_BATCH = 16384       # bytes of new streams queued before they are written
 _H2_LAST_STREAM = (1 << 31) - 1
 # What we tell the server first: no dynamic table, no server push, large stream windows.
@@ -2811,7 +2812,7 @@ class _Work:
 class _H2Job:
     """One message of push_many on its way through the HTTP/2 sender."""
 
-    __slots__ = ("index", "path", "body", "tokens", "retry", "token", "paced")
+    __slots__ = ("index", "path", "body", "tokens", "retry", "token", "paced", "refusals")
 
     def __init__(self, index: int, path: str, body: bytes, tokens: Tuple[str, ...],
                  retry: _Retry) -> None:
@@ -2822,6 +2823,7 @@ class _H2Job:
         self.retry = retry
         self.token = ""            # the access token it was last sent with
         self.paced = False         # it waits for the moment rate_limit gave it
+        self.refusals = 0          # times a server refused it unprocessed
 
 
 class _H2Sender:
@@ -2990,8 +2992,13 @@ class _H2Sender:
             job = stream.key
             assert isinstance(job, _H2Job)
             outcome = stream.outcome
-            if isinstance(outcome, _Refused):
+            if isinstance(outcome, _Refused) and job.refusals < _H2_REFUSALS:
+                job.refusals += 1
                 self._ready.appendleft(job)  # not processed: send again, no retry spent
+            elif isinstance(outcome, _Refused):
+                self._failed(job, NetworkError(
+                    "the server refused the stream %d times" % job.refusals,
+                    may_have_been_delivered=False))
             elif isinstance(outcome, Response) and 200 <= outcome.status_code < 300:
                 outcome._tokens = job.tokens
                 self._finish(job, outcome)

@@ -4549,6 +4549,15 @@ class HTTP2Test(ServerTestCase):
         self.assert_all_sent_once(self.push_many(30), 30)
         self.assertGreaterEqual(self.server.streams_refused, 3)
 
+    def test_a_server_that_refuses_everything_gets_backoff_not_a_flood(self) -> None:
+        self.server.inject(*[REFUSE_STREAM] * 50)
+        outcomes = self.push_many(1, max_retries=1, backoff_factor=0.001)
+        self.assertIsInstance(outcomes[0], andpush.NetworkError)
+        self.assertFalse(outcomes[0].may_have_been_delivered)
+        # The first send, the refusals sent again at once, then one retry after a backoff.
+        self.assertEqual(self.server.streams_refused, 1 + andpush._H2_REFUSALS + 1)
+        self.assertEqual(self.server.processed, 0)
+
     def test_goaway_mid_batch_moves_the_rest_to_a_new_connection(self) -> None:
         self.server.goaway_after = 7
         self.server.reply_delay = 0.01
