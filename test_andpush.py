@@ -2972,6 +2972,16 @@ class PushManyTest(V1TestCase):
         # The others went on meanwhile, past four outcomes per message in flight.
         self.assertGreater(sent.index("t0", first + 1) - first, 4 * 4)
 
+    def test_a_reset_before_the_server_read_it_is_sent_again_once(self) -> None:
+        client = self.v1_client(max_retries=0)
+        client.push({"token": "warm-up"})  # the token, and a connection to reuse
+        self.server.inject(RESET_BEFORE_READ)
+        outcomes = list(client.push_many([{"token": "t%d" % i} for i in range(5)],
+                                         concurrency=1))
+        self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
+        self.assertEqual(sorted(tokens_sent(self.server)),
+                         sorted(["warm-up"] + ["t%d" % i for i in range(5)]))
+
     def test_works_on_the_legacy_api_too(self) -> None:
         client = self.client()
         outcomes = list(client.push_many([{"to": "t%d" % i} for i in range(30)], concurrency=5))
