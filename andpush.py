@@ -2321,10 +2321,15 @@ _RESERVED_DATA_KEYS = ("from", "message_type")
 _RESERVED_DATA_PREFIXES = ("google", "gcm")
 
 
-def _check_message(message: object) -> Dict[str, Any]:
-    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix."""
+def _check_dict(message: object) -> Dict[str, Any]:
     if not isinstance(message, dict):
         raise TypeError("message must be a dict, got %s" % type(message).__name__)
+    return message
+
+
+def _check_message(message: object) -> Dict[str, Any]:
+    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix."""
+    message = _check_dict(message)
     targets = [name for name in _TARGETS if name in message]
     if len(targets) != 1:
         raise ValueError(
@@ -2404,8 +2409,7 @@ class _LegacyAPI:
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
         """Path, body and target tokens of a push; TypeError/ValueError for a bad message."""
-        if not isinstance(message, dict):
-            raise TypeError("message must be a dict, got %s" % type(message).__name__)
+        message = _check_dict(message)
         if validate_only:
             message = dict(message, dry_run=True)
         return "/fcm/send", _encode_json(message), _legacy_tokens(message)
@@ -2530,8 +2534,7 @@ class Client:
         ``messages`` is read lazily; closing or dropping the iterator stops sending what
         has not started. ``progress(done, failed)`` is called from the sending threads.
         """
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise ValueError("concurrency must be a positive int, got %r" % (concurrency,))
+        _check_number("concurrency", concurrency, minimum=1, integer=True)
         first = self._h2_connection() if self._http2 else None
         if first is None:
             return self._map(self._outcome, messages, concurrency, progress)
