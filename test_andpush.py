@@ -2926,32 +2926,46 @@ def tokens_sent(server: FakeFCM) -> List[str]:
     return [r.json["message"]["token"] for r in server.requests if r.path.endswith(":send")]
 
 
-class PushManyTest(V1TestCase):
-    KINDS: Dict[str, Tuple[List[Any], Any, int]] = {
-        # kind: (server actions for its token, expected outcome class, times processed)
-        "ok": ([], andpush.Response, 1),
-        "unregistered": ([fcm_error(404, "UNREGISTERED")], andpush.UnregisteredError, 1),
-        "invalid": ([fcm_error(400, "INVALID_ARGUMENT")], andpush.InvalidArgumentError, 1),
-        "flaky": ([fcm_error(503, "UNAVAILABLE")], andpush.Response, 2),
-        "down": ([fcm_error(503, "UNAVAILABLE")] * 3, andpush.UnavailableError, 3),
-        "lost": ([RESET_AFTER_READ], andpush.NetworkError, 1),  # reset after processing
-    }
+#: Faults of push_many's specification that mean the same in HTTP/1.1 and HTTP/2.
+#: kind: (server actions for its token, expected outcome class, times processed)
+PUSH_MANY_FAULTS: Dict[str, Tuple[List[Any], Any, int]] = {
+    "ok": ([], andpush.Response, 1),
+    "unregistered": ([fcm_error(404, "UNREGISTERED")], andpush.UnregisteredError, 1),
+    "invalid": ([fcm_error(400, "INVALID_ARGUMENT")], andpush.InvalidArgumentError, 1),
+    "flaky": ([fcm_error(503, "UNAVAILABLE")], andpush.Response, 2),
+    "down": ([fcm_error(503, "UNAVAILABLE")] * 3, andpush.UnavailableError, 3),
+}
 
-    def test_one_outcome_per_message_in_input_order_under_faults(self) -> None:
+
+class PushManySpec:
+    """push_many's specification, run against each protocol by a subclass that also
+    derives from V1TestCase and says, in its class attributes, what differs."""
+
+    # The server's class, and the faults of this protocol only (same shape as
+    # PUSH_MANY_FAULTS).
+    server_class: Any
+    PROTOCOL_FAULTS: Dict[str, Tuple[List[Any], Any, int]]
+    # An action after which the server provably did not process the request, on a
+    # connection the client had used before.
+    NOT_READ: Action
+    # Client options for the fault table: HTTP/1.1 wants a connection per request, so that
+    # a reset is not taken for a server that closed the connection before reading.
+    FAULT_OPTIONS: Dict[str, Any] = {}
+
+    def test_one_outcome_per_message_in_input_order_under_faults(self: Any) -> None:
+        faults = dict(PUSH_MANY_FAULTS, **self.PROTOCOL_FAULTS)
         messages: List[Dict[str, Any]] = []
         expected = []
         for i in range(60):
-            kind = list(self.KINDS)[i % len(self.KINDS)]
+            kind = list(faults)[i % len(faults)]
             token = "%s-%d" % (kind, i)
-            actions, cls, times = self.KINDS[kind]
+            actions, cls, times = faults[kind]
             self.server.by_token[token] = list(actions)
             messages.append({"token": token})
             expected.append((token, cls, times))
         messages.insert(7, {"token": "bad", "data": {"n": 1}})
         expected.insert(7, ("bad", TypeError, 0))
-        # A new connection for every request, so that a reset is not taken for a server
-        # that closed the connection before reading (that one is sent again, see above).
-        client = self.v1_client(max_retries=2, backoff_factor=0.001, keep_alive_timeout=0)
+        client = self.v1_client(max_retries=2, backoff_factor=0.001, **self.FAULT_OPTIONS)
         outcomes = list(client.push_many(messages, concurrency=8))
         self.assertEqual(len(outcomes), len(messages))
         sent = tokens_sent(self.server)
@@ -2962,9 +2976,9 @@ class PushManyTest(V1TestCase):
                 if isinstance(outcome, andpush.NetworkError):
                     self.assertTrue(outcome.may_have_been_delivered)
 
-    def test_a_message_waiting_for_a_retry_does_not_hold_up_the_others(self) -> None:
+    def test_a_message_waiting_for_a_retry_does_not_hold_up_the_others(self: Any) -> None:
         self.server.by_token["t0"] = [fcm_error(503, "UNAVAILABLE")]
-        client = self.v1_client(max_retries=1, backoff_factor=1.0)  # waits at least 0.5 s
+        client = self.v1_client(max_retries=1, backoff_factor=0.2)  # waits at least 0.1 s
         outcomes = list(client.push_many(CountingMessages(200), concurrency=4))
         self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
         sent = tokens_sent(self.server)
@@ -2972,54 +2986,54 @@ class PushManyTest(V1TestCase):
         # The others went on meanwhile, past four outcomes per message in flight.
         self.assertGreater(sent.index("t0", first + 1) - first, 4 * 4)
 
-    def test_a_reset_before_the_server_read_it_is_sent_again_once(self) -> None:
+    def test_a_request_the_server_did_not_read_is_sent_again_once(self: Any) -> None:
         client = self.v1_client(max_retries=0)
         client.push({"token": "warm-up"})  # the token, and a connection to reuse
-        self.server.inject(RESET_BEFORE_READ)
+        self.server.inject(self.NOT_READ)
         outcomes = list(client.push_many([{"token": "t%d" % i} for i in range(5)],
                                          concurrency=1))
         self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
         self.assertEqual(sorted(tokens_sent(self.server)),
                          sorted(["warm-up"] + ["t%d" % i for i in range(5)]))
 
-    def test_works_on_the_legacy_api_too(self) -> None:
+    def test_works_on_the_legacy_api_too(self: Any) -> None:
         client = self.client()
         outcomes = list(client.push_many([{"to": "t%d" % i} for i in range(30)], concurrency=5))
         self.assertEqual([o.status_code for o in outcomes], [200] * 30)  # type: ignore
         self.assertEqual(self.server.processed, 30)
 
-    def test_generator_input_is_read_lazily_and_the_window_is_bounded(self) -> None:
+    def test_generator_input_is_read_lazily_and_the_window_is_bounded(self: Any) -> None:
         messages = CountingMessages(1000)
         outcomes = self.v1_client().push_many(messages, concurrency=2)
         self.assertIsInstance(next(outcomes), andpush.Response)
-        time.sleep(0.3)  # a slow consumer: the workers must stop a window ahead
+        time.sleep(0.1)  # a slow consumer: the workers must stop a window ahead
         window = 2 * andpush._WINDOW_PER_WORKER
         self.assertLessEqual(messages.taken, 1 + window)
         self.assertEqual(len(list(outcomes)), 999)
         self.assertEqual(messages.taken, 1000)
 
-    def test_closing_the_iterator_stops_sending(self) -> None:
+    def test_closing_the_iterator_stops_sending(self: Any) -> None:
         messages = CountingMessages(1000)
         outcomes = self.v1_client().push_many(messages, concurrency=4)
         next(outcomes)
         outcomes.close()  # type: ignore[attr-defined]
-        time.sleep(0.2)
+        time.sleep(0.1)
         processed = self.server.processed
-        time.sleep(0.2)
+        time.sleep(0.1)
         self.assertEqual(self.server.processed, processed)
         self.assertLessEqual(messages.taken, 1 + 4 * andpush._WINDOW_PER_WORKER)
         with self.assertRaises(StopIteration):
             next(outcomes)
 
-    def test_dropping_the_iterator_stops_sending(self) -> None:
+    def test_dropping_the_iterator_stops_sending(self: Any) -> None:
         messages = CountingMessages(1000)
         outcomes = self.v1_client().push_many(messages, concurrency=4)
         next(outcomes)
         del outcomes
-        time.sleep(0.3)
+        time.sleep(0.1)
         self.assertLessEqual(messages.taken, 1 + 4 * andpush._WINDOW_PER_WORKER)
 
-    def test_progress_counts_done_and_failed(self) -> None:
+    def test_progress_counts_done_and_failed(self: Any) -> None:
         self.server.by_token["gone"] = [fcm_error(404, "UNREGISTERED")]
         seen: List[Tuple[int, int]] = []
         lock = threading.Lock()
@@ -3033,7 +3047,7 @@ class PushManyTest(V1TestCase):
         self.assertEqual(sorted(seen)[-1], (3, 1))
         self.assertEqual(len(seen), 3)
 
-    def test_a_failing_input_generator_raises_after_the_outcomes_before_it(self) -> None:
+    def test_a_failing_input_generator_raises_after_the_outcomes_before_it(self: Any) -> None:
         def messages() -> Iterator[Dict[str, Any]]:
             yield {"token": "a"}
             raise RuntimeError("the database went away")
@@ -3043,9 +3057,18 @@ class PushManyTest(V1TestCase):
         with self.assertRaisesRegex(RuntimeError, "database"):
             next(outcomes)
 
-    def test_bad_concurrency(self) -> None:
+    def test_bad_concurrency(self: Any) -> None:
         with self.assertRaisesRegex(ValueError, "concurrency"):
             self.v1_client().push_many([], concurrency=0)
+
+
+class PushManyHTTP11Test(PushManySpec, V1TestCase):
+    server_class = FakeGoogle
+    PROTOCOL_FAULTS = {
+        "lost": ([RESET_AFTER_READ], andpush.NetworkError, 1),  # reset after processing
+    }
+    NOT_READ = RESET_BEFORE_READ
+    FAULT_OPTIONS = {"keep_alive_timeout": 0}
 
 
 class RetryTest(V1TestCase):
@@ -3671,39 +3694,25 @@ class CliProgressTest(unittest.TestCase):
 
 
 # HTTP/2: FakeFCM2, the same fake spoken over h2 ##############################################
-# FakeGoogle's routes, injected actions and by_token served over HTTP/2 (TLS, ALPN "h2"),
-# plus misbehaviours that only HTTP/2 has. The sans-I/O h2 package does the framing and
-# HPACK; it is a test-only dependency (pip install h2), and without it these tests are
-# skipped with the reason shown. andpush itself needs nothing.
+# FakeGoogle's routes, injected actions and by_token served over HTTP/2 (TLS, ALPN "h2") by a
+# standard-library HTTP/2 server written here (RFC 9113): frames parsed and built by hand,
+# request header blocks decoded with andpush's own _HPACKDecoder, answers encoded by
+# _H2HeaderEncoder below. Plus the misbehaviours that only HTTP/2 has, each one something a
+# real server (Google's front end, nginx, h2o, nghttpd, caddy, apache, haproxy) does.
 #
 # Each connection is served by one thread running a selector loop: every stream's answer
-# (reply_delay, SLOW) waits in a timer heap, so one connection holds any number of delayed
-# streams without a thread each.
+# (reply_delay, SLOW) and every later GOAWAY waits in a timer heap, so one connection holds
+# any number of delayed streams without a thread each.
 
 import heapq  # noqa: E402 (or among the imports at the top)
-
-try:
-    import h2.config
-    import h2.connection
-    import h2.errors
-    import h2.events
-    import h2.exceptions
-    import h2.settings  # h2.settings.SettingCodes names the keys of settings_received
-    import hyperframe.frame  # h2's own dependency
-except ImportError:
-    h2 = None  # type: ignore[assignment]
-    hyperframe = None  # type: ignore[assignment]
-
-#: Decorator for tests (or test classes) that need FakeFCM2.
-requires_h2 = unittest.skipIf(
-    h2 is None, "the h2 package is not installed (pip install h2): HTTP/2 tests skipped"
-)
+from typing import NoReturn  # noqa: E402
 
 # HTTP/2 misbehaviours for FakeFCM2.inject(), each for one stream. A stream takes its action
 # when its HEADERS arrive (arrival order across all connections, like FakeFCM); a stream that
 # took one but is never recorded (above a GOAWAY's last_stream_id, reset by the client, cut
-# off by the connection's end) gives it back to the front of the queue, except REFUSE_STREAM
-# and RESET_BEFORE_READ, which are used up.
+# off by the connection's end) gives it back to the front of the queue, except REFUSE_STREAM,
+# GOAWAY_BEFORE_READ and RESET_BEFORE_READ, which are used up. "Recorded" means in
+# FakeFCM2.requests: read whole, and acted on.
 #: Answer RST_STREAM(REFUSED_STREAM) as soon as the HEADERS arrive; not recorded.
 REFUSE_STREAM = "REFUSE_STREAM"
 #: Read the whole request (recorded), then RST_STREAM(INTERNAL_ERROR) instead of an answer.
@@ -3712,14 +3721,34 @@ RESET_STREAM_AFTER_READ = "RESET_STREAM_AFTER_READ"
 #: recorded on the connection: this one), answer it and every stream up to that id, ignore
 #: the streams above it (not recorded), then close (close_notify, FIN).
 GOAWAY_AFTER_READ = "GOAWAY_AFTER_READ"
+#: When the HEADERS arrive, send GOAWAY(NO_ERROR, last_stream_id = the stream opened before
+#: this one): this stream and any above it are ignored (not recorded), the ones below are
+#: answered, then close (close_notify, FIN).
+GOAWAY_BEFORE_READ = "GOAWAY_BEFORE_READ"
+#: Read the request (recorded), send GOAWAY(INTERNAL_ERROR, last_stream_id = the highest
+#: stream opened) and close at once (FIN, no close_notify): the streams in flight, this one
+#: included, are never answered.
+GOAWAY_AND_CLOSE_AFTER_READ = "GOAWAY_AND_CLOSE_AFTER_READ"
+#: Read the request (recorded), answer it, and send the graceful-shutdown notice
+#: GOAWAY(NO_ERROR, 2^31-1) followed by a PING; FakeFCM2.shutdown_grace seconds later the
+#: real GOAWAY(NO_ERROR, the highest stream opened), then the streams up to it are answered
+#: and the connection closed, as h2o and apache do on a reload.
+SHUTDOWN_NOTICE_AFTER_READ = "SHUTDOWN_NOTICE_AFTER_READ"
 #: Read the request (recorded), then close the connection with streams in flight: what was
 #: already queued is sent, then FIN without GOAWAY or close_notify (RST if bytes are unread).
 DROP_CONNECTION_AFTER_READ = "DROP_CONNECTION_AFTER_READ"
+#: Read the request (recorded), then FakeFCM2.go_away(): the whole server is gone, every
+#: connection closed unanswered, later connects refused.
+SERVER_GOES_AWAY_AFTER_READ = "SERVER_GOES_AWAY_AFTER_READ"
 H2_MISBEHAVIOURS = (
     REFUSE_STREAM,
     RESET_STREAM_AFTER_READ,
     GOAWAY_AFTER_READ,
+    GOAWAY_BEFORE_READ,
+    GOAWAY_AND_CLOSE_AFTER_READ,
+    SHUTDOWN_NOTICE_AFTER_READ,
     DROP_CONNECTION_AFTER_READ,
+    SERVER_GOES_AWAY_AFTER_READ,
 )
 #: What FakeFCM2.inject() takes besides a Reply: the HTTP/2 misbehaviours and those of
 #: FakeFCM's that mean something in HTTP/2. RESET_BEFORE_READ and RESET_AFTER_READ reset the
@@ -3728,31 +3757,57 @@ H2_MISBEHAVIOURS = (
 H2_ACTIONS = H2_MISBEHAVIOURS + (
     RESET_BEFORE_READ, RESET_AFTER_READ, SLOW, TRUNCATED_BODY, NON_JSON, HUGE_BODY,
 )
+# What FakeFCM2.on_too_many_streams takes: what happens to a stream opened beyond the
+# MAX_CONCURRENT_STREAMS the client has acknowledged.
+#: RST_STREAM(REFUSED_STREAM) for that stream only, as h2o and haproxy do.
+REFUSE_EXTRA_STREAM = "REFUSE_EXTRA_STREAM"
+#: GOAWAY(PROTOCOL_ERROR) and close the whole connection, as nghttpd, apache and Google's
+#: front end do: streams in flight are never answered.
+KILL_CONNECTION = "KILL_CONNECTION"
 
-_H2_FRAME_NAMES = {
-    0x0: "DATA", 0x1: "HEADERS", 0x2: "PRIORITY", 0x3: "RST_STREAM", 0x4: "SETTINGS",
-    0x5: "PUSH_PROMISE", 0x6: "PING", 0x7: "GOAWAY", 0x8: "WINDOW_UPDATE", 0x9: "CONTINUATION",
-}
-_H2_PREFACE_SIZE = 24  # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+(_H2_DATA, _H2_HEADERS, _H2_PRIORITY, _H2_RST_STREAM, _H2_SETTINGS, _H2_PUSH_PROMISE, _H2_PING,
+ _H2_GOAWAY, _H2_WINDOW_UPDATE, _H2_CONTINUATION) = range(10)
+_H2_FRAME_NAMES = (
+    "DATA", "HEADERS", "PRIORITY", "RST_STREAM", "SETTINGS", "PUSH_PROMISE", "PING", "GOAWAY",
+    "WINDOW_UPDATE", "CONTINUATION",
+)
+_H2_END_STREAM = _H2_ACK = 0x1
+_H2_END_HEADERS = 0x4
+_H2_PADDED = 0x8
+_H2_PRIORITY_FLAG = 0x20
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_H2_SETTINGS_HEADER_TABLE_SIZE = 0x1
 _H2_SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
 _H2_SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+_H2_SETTINGS_MAX_FRAME_SIZE = 0x5
 _H2_SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
-_H2_MAX_HEADER_LIST = 64 * 1024  # bytes of decoded request headers accepted (advertised)
-_H2_UNLIMITED = 2**31 - 1
-_H2_DEFAULT_WINDOW = 65535
-_H2_REFUSED_STREAM = 0x7
+_H2_NO_ERROR = 0x0
+_H2_PROTOCOL_ERROR = 0x1
 _H2_INTERNAL_ERROR = 0x2
 _H2_FLOW_CONTROL_ERROR = 0x3
+_H2_FRAME_SIZE_ERROR = 0x6
+_H2_REFUSED_STREAM = 0x7
+_H2_COMPRESSION_ERROR = 0x9
+_H2_ENHANCE_YOUR_CALM = 0xB
+_H2_MAX_HEADER_LIST = 64 * 1024  # bytes of decoded request headers accepted (advertised)
+_H2_MAX_FRAME = 16384  # the largest frame either side may send: the default, never raised
+_H2_LAST_STREAM = 2**31 - 1  # also the last stream id of the graceful-shutdown notice
+_H2_DEFAULT_WINDOW = 65535
+_H2_TABLE_SIZE = 4096  # HPACK dynamic table size: the default, and use_dynamic_table's
+_H2_ENTRY_OVERHEAD = 32  # octets an HPACK table entry costs beyond its name and value
+_H2_STATIC_ENTRIES = 61  # dynamic table indices start after the static table's
+_H2_GOAWAY_PING = b"goaway!!"  # payload of the PING after each GOAWAY: its ACK says "seen"
+_H2_SERVER_PING = b"fakefcm2"  # payload of the PINGs of ping_before_answers
 _H2_NOT_FORWARDED = frozenset(
     ["connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te",
      "content-length"]
 )
 _H2_SPLIT_SIZES = (1, 2, 3, 5, 8, 13, 21)  # bytes per TLS record with split_tls_records
 _H2_WRITE_SIZE = 64 * 1024  # bytes per send() otherwise
-_H2_OUTBUF_HIGH = 1024 * 1024  # stop feeding DATA frames while this much waits to be sent
+_H2_OUTBUF_HIGH = 1024 * 1024  # stop making DATA frames while this much waits to be sent
+_H2_RECV_SIZE = 64 * 1024  # bytes asked of one recv()
 _H2_POLL = 0.25  # longest select() wait: how soon a connection notices close()
 _H2_LINGER = 1.0  # seconds a closing connection waits for queued bytes, and for the client
-_H2_TABLE_SIZE = 4096  # HPACK dynamic table size forced by use_dynamic_table
 
 
 class H2Request(Request):
@@ -3789,74 +3844,101 @@ def h2_client_context() -> ssl.SSLContext:
     return context
 
 
-class _H2Close(Exception):
-    """End the connection now: how ("graceful", "drop", "reset") is the argument."""
+def _h2_frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    """One frame (RFC 9113 4.1): 24-bit length, type, flags, 31-bit stream id, payload."""
+    return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
+            + stream_id.to_bytes(4, "big") + payload)
 
 
-class _FrameTally:
-    """Counts HTTP/2 frames by type name in a byte stream that arrives in arbitrary pieces."""
-
-    def __init__(self, counts: Dict[str, int], lock: threading.Lock, skip: int = 0) -> None:
-        self.counts = counts
-        self.lock = lock
-        self.skip = skip  # bytes to pass over: the client preface, then each frame's payload
-        self.head = bytearray()
-
-    def feed(self, data: bytes) -> None:
-        position, size, names = 0, len(data), []
-        while position < size:
-            if self.skip:
-                step = min(self.skip, size - position)
-                self.skip -= step
-                position += step
-                continue
-            step = min(9 - len(self.head), size - position)
-            self.head += data[position : position + step]
-            position += step
-            if len(self.head) == 9:
-                names.append(_H2_FRAME_NAMES.get(self.head[3], "0x%02x" % self.head[3]))
-                self.skip = int.from_bytes(self.head[:3], "big")
-                self.head.clear()
-        if names:
-            with self.lock:
-                for name in names:
-                    self.counts[name] = self.counts.get(name, 0) + 1
+def _h2_settings_payload(values: Dict[int, int]) -> bytes:
+    return b"".join(code.to_bytes(2, "big") + value.to_bytes(4, "big")
+                    for code, value in values.items())
 
 
-_H2ConnectionBase: Any = h2.connection.H2Connection if h2 is not None else object
+def _h2_goaway_payload(last_stream_id: int, error_code: int, debug: bytes = b"") -> bytes:
+    return last_stream_id.to_bytes(4, "big") + error_code.to_bytes(4, "big") + debug
 
 
-class _H2ServerConnection(_H2ConnectionBase):
-    """h2's connection, minus its per-stream count of open streams (a walk over all of them).
+def _hpack_int(value: int, prefix_bits: int, flags: int) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) with flags in the bits above its prefix."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((flags | value,))
+    out = bytearray((flags | limit,))
+    value -= limit
+    while value >= 0x80:
+        out.append(0x80 | value & 0x7F)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
-    FakeFCM2 counts and limits streams itself; h2 would refuse a stream beyond its own
-    MAX_CONCURRENT_STREAMS (100) with a connection error, from the first byte on.
+
+def _hpack_string(data: bytes) -> bytes:
+    """An HPACK string literal, raw (no Huffman), as haproxy and mostly h2o send them."""
+    return _hpack_int(len(data), 7, 0) + data
+
+
+class _H2HeaderEncoder:
+    """Encodes the answers' header blocks of one connection.
+
+    By default every field is a literal without indexing (RFC 7541 6.2.2): no table at all.
+    With a dynamic table, as h2o does whatever HEADER_TABLE_SIZE the client sent: the first
+    block opens with the size updates 0 then 4096, every field not in the table is added
+    (literal with incremental indexing), every field already there is sent as its index, and
+    old entries are evicted as the table fills.
     """
 
-    @property
-    def open_inbound_streams(self) -> int:
-        return 0
+    def __init__(self, dynamic: bool) -> None:
+        self.dynamic = dynamic
+        self.announce = dynamic
+        self.entries: List[Tuple[bytes, bytes]] = []  # newest first
+        self.size = 0
 
-    def forget_closed_streams(self) -> None:
-        """h2's own sweep of closed streams, which its count did as it went."""
-        _H2ConnectionBase.open_inbound_streams.fget(self)
+    def encode(self, fields: List[Tuple[bytes, bytes]]) -> bytes:
+        out = bytearray()
+        if self.announce:
+            self.announce = False
+            out += _hpack_int(0, 5, 0x20) + _hpack_int(_H2_TABLE_SIZE, 5, 0x20)
+        for field in fields:
+            if not self.dynamic:
+                out += b"\x00" + _hpack_string(field[0]) + _hpack_string(field[1])
+            elif field in self.entries:
+                index = _H2_STATIC_ENTRIES + 1 + self.entries.index(field)
+                out += _hpack_int(index, 7, 0x80)
+            else:
+                out += b"\x40" + _hpack_string(field[0]) + _hpack_string(field[1])
+                self._insert(field)
+        return bytes(out)
+
+    def _insert(self, field: Tuple[bytes, bytes]) -> None:
+        self.entries.insert(0, field)
+        self.size += len(field[0]) + len(field[1]) + _H2_ENTRY_OVERHEAD
+        while self.size > _H2_TABLE_SIZE:
+            name, value = self.entries.pop()
+            self.size -= len(name) + len(value) + _H2_ENTRY_OVERHEAD
+
+
+class _H2Close(Exception):
+    """End the connection now: how ("graceful", "drop", "reset") is the argument."""
 
 
 class _H2Stream:
     """One request stream as a connection of FakeFCM2 serves it."""
 
-    def __init__(self, stream_id: int, headers: List[Tuple[bytes, bytes]], action: Any) -> None:
+    def __init__(self, stream_id: int, fields: Tuple[Tuple[str, str], ...], action: Any,
+                 send_window: int) -> None:
         self.id = stream_id
-        self.headers = headers
+        self.fields = fields
         self.action: Optional[Action] = action
         self.body = bytearray()
         self.received = 0  # flow-controlled bytes received: DATA payloads plus padding
         self.request: Optional[H2Request] = None  # set once read whole, i.e. recorded
         self.out: Optional[memoryview] = None  # body bytes still to send
+        self.send_window = send_window  # DATA bytes the client lets this side send
 
 
 class FakeFCM2(FakeGoogle):
-    """FakeGoogle over HTTP/2 (TLS, ALPN). Use: with FakeFCM2() as server: ... (needs h2).
+    """FakeGoogle over HTTP/2 (TLS, ALPN). Use: with FakeFCM2() as server: ...
 
     A connection whose TLS handshake selects "h2" is served here; any other (a client that
     does not offer h2, when alpn includes "http/1.1" or the client offers no ALPN at all)
@@ -3866,44 +3948,52 @@ class FakeFCM2(FakeGoogle):
     when they are used. All counters may be read at any time.
 
     reply_delay and SLOW's slow_seconds hold one stream's answer without holding anything
-    else. close_idle_after: a connection with no stream open for that long gets GOAWAY
-    and is closed. close_every is HTTP/1.1's only.
+    else. close_idle_after: a connection with no stream open for that long gets GOAWAY and
+    is closed without close_notify, as nginx does. close_every is HTTP/1.1's only.
     """
 
     actions = H2_ACTIONS
 
     def __init__(self, alpn: Tuple[str, ...] = ("h2",), max_concurrent_streams: int = 100) -> None:
-        if h2 is None:
-            raise RuntimeError("FakeFCM2 needs the h2 package (pip install h2)")
         super().__init__(tls=True)
         self.alpn = tuple(alpn)
         self.ssl_context.set_alpn_protocols(list(self.alpn))
         # What tests set; read when each connection starts.
         # MAX_CONCURRENT_STREAMS in the server's first SETTINGS. Limits bind once the client
         # has ACKed the SETTINGS that set them (before that it may use the old value): a
-        # stream beyond the ACKed limit gets RST_STREAM(REFUSED_STREAM), unrecorded, and
-        # counts in stream_limit_violations.
+        # stream beyond the ACKed limit counts in stream_limit_violations and meets
+        # on_too_many_streams (REFUSE_EXTRA_STREAM or KILL_CONNECTION).
         self.max_concurrent_streams = max_concurrent_streams
+        self.on_too_many_streams = REFUSE_EXTRA_STREAM
         # (n, smaller): once n streams are recorded on a connection, a second SETTINGS
         # lowers MAX_CONCURRENT_STREAMS to smaller.
         self.shrink_max_concurrent_streams_to: Optional[Tuple[int, int]] = None
         # n: once n streams are recorded on a connection, GOAWAY as GOAWAY_AFTER_READ does.
         self.goaway_after: Optional[int] = None
-        # Ignore the client's SETTINGS_HEADER_TABLE_SIZE (0 or not): every header block from
-        # the next one on is HPACK with a 4096-byte dynamic table, the first one beginning
-        # with the table size updates 20 3f e1 1f (to 0, to 4096) when the client asked for
-        # 0, which a strict decoder rejects (COMPRESSION_ERROR); answers also carry date,
-        # vary, server, x-... and x-fake: <answer number> fields, so entries are indexed,
-        # reused (0x80|index) and evicted.
+        # False: complete TLS with ALPN h2, then send nothing at all (not even SETTINGS) and
+        # read nothing: the connection hangs until the client gives up.
+        self.send_settings = True
+        # Ignore the client's SETTINGS_HEADER_TABLE_SIZE (0 or not): answers use a 4096-byte
+        # dynamic table (see _H2HeaderEncoder) and also carry date, vary, server, x-... and
+        # x-fake: <answer number> fields, so entries are indexed, reused and evicted.
         self.use_dynamic_table = False
-        # SETTINGS_INITIAL_WINDOW_SIZE stall_window_size and no WINDOW_UPDATE at all until
-        # release_window(), which sends SETTINGS_INITIAL_WINDOW_SIZE 65535 and gives the held
-        # bytes back. Bytes sent before the client ACKed the SETTINGS may use the default
-        # 65535; a stream that sends beyond its window after that gets RST_STREAM
-        # (FLOW_CONTROL_ERROR), unrecorded, and counts in flow_control_violations.
+        # SETTINGS_INITIAL_WINDOW_SIZE stall_window_size and no WINDOW_UPDATE at all (so the
+        # connection window of 65535 bytes is used up for good too) until release_window(),
+        # which sends SETTINGS_INITIAL_WINDOW_SIZE 65535 and gives the held bytes back. Bytes
+        # sent before the client ACKed the SETTINGS may use the default 65535; a stream that
+        # sends beyond its window after that gets RST_STREAM(FLOW_CONTROL_ERROR), unrecorded;
+        # DATA beyond the connection window (at any time) is a connection error. Both count
+        # in flow_control_violations.
         self.stall_window = False
         self.stall_window_size = 16
+        # n: after n PINGs from the client with no new stream between, GOAWAY
+        # (ENHANCE_YOUR_CALM, "too_many_pings") and close, as Google's front end does.
+        self.too_many_pings: Optional[int] = None
         # What tests set; read as they are used.
+        # Seconds between the shutdown notice and the real GOAWAY (SHUTDOWN_NOTICE_AFTER_READ).
+        self.shutdown_grace = 0.1
+        # A PING before every answer; the client must ACK each (pings_acked).
+        self.ping_before_answers = False
         # Header blocks cut into a HEADERS frame and CONTINUATION frames of
         # continuation_fragment bytes (END_STREAM on the HEADERS of a body-less answer).
         self.continuation = False
@@ -3911,6 +4001,8 @@ class FakeFCM2(FakeGoogle):
         # Everything written in TLS records of 1, 2, 3, 5, 8, 13, 21, 1, ... bytes, one
         # send() each: frame headers and HPACK strings end up split across records.
         self.split_tls_records = False
+        # Every frame in a TLS record of its own: HEADERS and DATA never share one (caddy).
+        self.record_per_frame = False
         # What tests read (besides FakeFCM's connections, handshakes, requests, errors).
         self.protocols: List[Optional[str]] = []  # ALPN result of each handshake, in order
         self.settings_received: List[Dict[int, int]] = []  # the client's SETTINGS frames
@@ -3918,16 +4010,19 @@ class FakeFCM2(FakeGoogle):
         self.frames_sent: Dict[str, int] = {}
         self.streams_refused = 0  # RST_STREAM(REFUSED_STREAM) sent, for any reason
         self.stream_limit_violations = 0  # streams opened beyond an acknowledged limit
-        self.flow_control_violations = 0  # streams that sent beyond their stalled window
+        self.flow_control_violations = 0  # DATA beyond a stream's or the connection's window
         self.stalled_streams = 0  # streams that ran out of window (stall_window), ever
         self.max_open_streams_seen = 0  # most streams open at once on one connection
         self.streams_reset_by_client = 0
+        self.streams_after_goaway = 0  # streams opened once the client had seen a GOAWAY
         self.goaways_sent = 0
         self.goaways_received = 0
         self.pings_received = 0
-        self.protocol_errors: List[str] = []  # h2's complaints about what clients sent
+        self.pings_acked = 0  # ACKs of this server's PINGs (ping_before_answers, GOAWAYs)
+        self.protocol_errors: List[str] = []  # what clients sent that broke HTTP/2
         # Internals.
         self._window_released = threading.Event()
+        self._gone = False
         self._sessions: Set["_H2Session"] = set()
         self._answers = 0
 
@@ -3940,6 +4035,39 @@ class FakeFCM2(FakeGoogle):
     def release_window(self) -> None:
         """End stall_window: every connection gives the client its windows back, for good."""
         self._window_released.set()
+        self._wake_sessions()
+
+    def go_away(self) -> None:
+        """The server is gone: it stops listening (later connects are refused) and closes
+        every connection at once (FIN, no GOAWAY), whatever is in flight. close() still
+        waits for the threads."""
+        assert self._accept_thread is not None and self._wake_pair is not None
+        self._stopping.set()
+        self._gone = True
+        try:
+            self._wake_pair[1].send(b"x")
+        except OSError:
+            pass
+        self._accept_thread.join(_JOIN_TIMEOUT)
+        assert self._listener is not None
+        self._listener.close()
+        self._wake_sessions()
+
+    def close(self) -> None:
+        if not self._gone:
+            super().close()
+            return
+        with self._lock:
+            threads = list(self._threads)
+        deadline = time.monotonic() + _JOIN_TIMEOUT
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+        assert self._wake_pair is not None
+        for sock in self._wake_pair:
+            sock.close()
+
+    def _wake_sessions(self) -> None:
         with self._lock:
             sessions = list(self._sessions)
         for session in sessions:
@@ -3956,6 +4084,11 @@ class FakeFCM2(FakeGoogle):
         with self._lock:
             setattr(self, name, getattr(self, name) + amount)
 
+    def _tally(self, counts: Dict[str, int], kind: int) -> None:
+        name = _H2_FRAME_NAMES[kind] if kind < len(_H2_FRAME_NAMES) else "0x%02x" % kind
+        with self._lock:
+            counts[name] = counts.get(name, 0) + 1
+
     def _converse(self, conn: ssl.SSLSocket, number: int) -> None:
         protocol = conn.selected_alpn_protocol()
         with self._lock:
@@ -3967,46 +4100,51 @@ class FakeFCM2(FakeGoogle):
 
 
 class _H2Session:
-    """One HTTP/2 connection of FakeFCM2: a selector loop over the socket, h2 and timers."""
+    """One HTTP/2 connection of FakeFCM2: a selector loop over the socket and timers."""
 
     def __init__(self, server: FakeFCM2, sock: ssl.SSLSocket, number: int) -> None:
         self.server = server
         self.sock = sock
         self.number = number
         self.limit = server.max_concurrent_streams
+        self.on_too_many = server.on_too_many_streams
         self.shrink = server.shrink_max_concurrent_streams_to
         self.goaway_after = server.goaway_after
-        self.dynamic_table = server.use_dynamic_table
+        self.ping_limit = server.too_many_pings
         self.stalling = server.stall_window and not server._window_released.is_set()
-        config = h2.config.H2Configuration(
-            client_side=False,
-            header_encoding=None,
-            # The client's headers are checked (a ProtocolError lands in protocol_errors);
-            # the answers are made here, lower-case already, and sent as they are.
-            validate_outbound_headers=False,
-            normalize_outbound_headers=False,
-        )
-        self.conn = _H2ServerConnection(config=config)
+        self.decoder = _HPACKDecoder(_H2_TABLE_SIZE)
+        self.encoder = _H2HeaderEncoder(server.use_dynamic_table)
+        self.inbuf = bytearray()
+        self.preface_read = False
+        self.block: Optional[Tuple[int, bool, bytearray]] = None  # a header block in pieces
         self.unacked: Deque[Dict[int, int]] = deque()  # SETTINGS sent, not yet acknowledged
-        self.acked_limit = _H2_UNLIMITED  # MAX_CONCURRENT_STREAMS the client must respect
+        self.acked_limit = _H2_LAST_STREAM  # MAX_CONCURRENT_STREAMS the client must respect
         self.acked_window = _H2_DEFAULT_WINDOW  # INITIAL_WINDOW_SIZE the client must respect
+        self.peer_initial_window = _H2_DEFAULT_WINDOW  # the client's INITIAL_WINDOW_SIZE
+        self.peer_window = _H2_DEFAULT_WINDOW  # DATA bytes the client lets us send in all
+        self.peer_frame = _H2_MAX_FRAME  # the client's MAX_FRAME_SIZE
+        self.window = _H2_DEFAULT_WINDOW  # DATA bytes the client may still send in all
         self.streams: Dict[int, _H2Stream] = {}  # live streams with an action slot
         self.open: Set[int] = set()  # streams opened and not yet ended by this side
         self.sending: Dict[int, _H2Stream] = {}  # streams with body bytes still to send
         self.held: Dict[int, int] = {}  # bytes received, not given back (stall_window)
         self.stalled: Set[int] = set()  # streams with no window left (stall_window)
         self.counted_stalled: Set[int] = set()  # of those, the ones in stalled_streams
-        self.timers: List[Tuple[float, int, int]] = []  # (due, sequence, stream id)
+        self.timers: List[Tuple[float, int, int]] = []  # (due, sequence, stream id or 0)
         self.sequence = 0
         self.recorded = 0
+        self.highest_opened = 0
         self.highest_recorded = 0
-        self.goaway_last: Optional[int] = None
+        self.goaway_last: Optional[int] = None  # last_stream_id of the GOAWAY sent
+        self.goaway_seen = False  # the client ACKed the PING sent after that GOAWAY
+        self.notice_pending = False  # the shutdown notice is out, the real GOAWAY is not
+        self.close_how = "graceful"  # how to close once a GOAWAY's streams are done
+        self.pings_in_a_row = 0  # client PINGs since the last new stream
         self.active = time.monotonic()  # when a stream was last open (close_idle_after)
-        self.outbuf = bytearray()
-        self.attempt = 0  # bytes offered to the last send() that wanted a retry
+        self.outq: Deque[bytes] = deque()  # frames queued, not yet offered to send()
+        self.queued = 0  # bytes in outq
+        self.offered = b""  # bytes offered to the last send(): a retry must offer them again
         self.split_index = 0
-        self.sent_tally = _FrameTally(server.frames_sent, server._lock)
-        self.received_tally = _FrameTally(server.frames_received, server._lock, _H2_PREFACE_SIZE)
         self.selector = selectors.DefaultSelector()
         self.wake_r, self.wake_w = socket.socketpair()
 
@@ -4019,7 +4157,13 @@ class _H2Session:
         with server._lock:
             server._sessions.add(self)
         try:
-            self._serve()
+            self.sock.setblocking(False)
+            self.selector.register(self.sock, selectors.EVENT_READ)
+            self.selector.register(self.wake_r, selectors.EVENT_READ)
+            if server.send_settings:
+                self._serve()
+            else:
+                self._drain_raw(float("inf"))  # silence until the client or close() ends it
         finally:
             with server._lock:
                 server._sessions.discard(self)
@@ -4031,9 +4175,6 @@ class _H2Session:
             server._give_back([action for action in unused if action is not None])
 
     def _serve(self) -> None:
-        self.sock.setblocking(False)
-        self.conn.initiate_connection()
-        self.conn.data_to_send()  # h2's SETTINGS, replaced by this server's own
         settings = {
             _H2_SETTINGS_MAX_CONCURRENT_STREAMS: self.limit,
             _H2_SETTINGS_MAX_HEADER_LIST_SIZE: _H2_MAX_HEADER_LIST,
@@ -4041,8 +4182,6 @@ class _H2Session:
         if self.stalling:
             settings[_H2_SETTINGS_INITIAL_WINDOW_SIZE] = self.server.stall_window_size
         self._send_settings(settings)
-        self.selector.register(self.sock, selectors.EVENT_READ)
-        self.selector.register(self.wake_r, selectors.EVENT_READ)
         watching_writes = False
         try:
             readable = True  # bytes may have come with the handshake
@@ -4052,26 +4191,16 @@ class _H2Session:
                 self._check_release()
                 self._run_timers()
                 self._pump()
-                self._queue_h2()
                 self._flush()
-                if len(self.conn.streams) > 2 * len(self.open) + 100:
-                    self.conn.forget_closed_streams()
-                if self.goaway_last is not None and not self.open and not self.outbuf:
-                    raise _H2Close("graceful")
-                if bool(self.outbuf) != watching_writes:
-                    watching_writes = bool(self.outbuf)
-                    mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if watching_writes else 0)
+                if (self.goaway_last is not None and not self.notice_pending and not self.open
+                        and not self.outq and not self.offered):
+                    raise _H2Close(self.close_how)
+                writing = bool(self.outq or self.offered)
+                if writing != watching_writes:
+                    watching_writes = writing
+                    mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
                     self.selector.modify(self.sock, mask)
-                now = time.monotonic()
-                timeout = _H2_POLL
-                if self.timers:
-                    timeout = min(timeout, max(0.0, self.timers[0][0] - now))
-                idle_limit = self.server.close_idle_after
-                if idle_limit is not None and not self.open and self.goaway_last is None:
-                    if now - self.active >= idle_limit:
-                        self._goaway()
-                        continue
-                    timeout = min(timeout, self.active + idle_limit - now)
+                timeout = self._idle_check(self._next_timer_in())
                 readable = False
                 for key, mask in self.selector.select(timeout):
                     if key.fileobj is self.wake_r:
@@ -4083,11 +4212,27 @@ class _H2Session:
         except _H2Close as close:
             self._close(str(close))
 
+    def _next_timer_in(self) -> float:
+        if not self.timers:
+            return _H2_POLL
+        return min(_H2_POLL, max(0.0, self.timers[0][0] - time.monotonic()))
+
+    def _idle_check(self, timeout: float) -> float:
+        """close_idle_after: GOAWAY once idle that long (then close, no close_notify)."""
+        idle_limit = self.server.close_idle_after
+        if idle_limit is None or self.open or self.goaway_last is not None:
+            return timeout
+        now = time.monotonic()
+        if now - self.active < idle_limit:
+            return min(timeout, self.active + idle_limit - now)
+        self._goaway()
+        self.close_how = "drop"
+        return 0.0
+
     def _close(self, how: str) -> None:
         if how == "reset":
             _reset(self.sock)
             return
-        self._queue_h2()
         self._flush_for(_H2_LINGER)
         if how == "graceful":
             try:
@@ -4114,7 +4259,7 @@ class _H2Session:
         deadline = time.monotonic() + patience
         while True:
             try:
-                if not socket.socket.recv(self.sock, 65536):
+                if not socket.socket.recv(self.sock, _H2_RECV_SIZE):
                     return
                 continue
             except (BlockingIOError, InterruptedError):
@@ -4125,58 +4270,104 @@ class _H2Session:
             if remaining <= 0 or self.server._stopping.is_set():
                 return
             self.selector.modify(self.sock, selectors.EVENT_READ)
-            self.selector.select(min(remaining, _H2_POLL))
+            for key, _ in self.selector.select(min(remaining, _H2_POLL)):
+                if key.fileobj is self.wake_r:
+                    self._drain_wake()
 
     # Reading ----------------------------------------------------------------------------------
 
     def _read(self) -> bool:
-        """Feed h2 all that has arrived; False once the client has closed the connection."""
+        """Handle all that has arrived; False once the client has closed the connection."""
         while True:
             try:
-                data = self.sock.recv(65536)
+                data = self.sock.recv(_H2_RECV_SIZE)
             except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 return True
             except OSError:
                 return False
             if not data:
                 return False
-            self.received_tally.feed(data)
-            try:
-                events = self.conn.receive_data(data)
-            except h2.exceptions.ProtocolError as error:
-                with self.server._lock:
-                    self.server.protocol_errors.append(f"{type(error).__name__}: {error}")
-                raise _H2Close("graceful") from None  # h2 has queued its GOAWAY
-            for event in events:
-                self._handle(event)
+            self._receive(data)
             if self.stalled:  # still so once the frames that came with the data are seen
                 fresh = self.stalled - self.counted_stalled
                 if fresh:
                     self.counted_stalled |= fresh
                     self.server._count("stalled_streams", len(fresh))
 
-    def _handle(self, event: Any) -> None:
-        server = self.server
-        if isinstance(event, h2.events.RequestReceived):
-            self._on_request(event.stream_id, list(event.headers))
-        elif isinstance(event, h2.events.DataReceived):
-            self._on_data(event.stream_id, event.data, event.flow_controlled_length)
-        elif isinstance(event, h2.events.StreamEnded):
-            self._on_end(event.stream_id)
-        elif isinstance(event, h2.events.StreamReset):
-            if event.remote_reset:
-                server._count("streams_reset_by_client")
-                self._forget(event.stream_id)
-        elif isinstance(event, h2.events.RemoteSettingsChanged):
-            changes = event.changed_settings.items()
-            values = {int(code): change.new_value for code, change in changes}
-            with server._lock:
-                server.settings_received.append(values)
-            if self.dynamic_table:
-                # h2 has just set its encoder to the client's HEADER_TABLE_SIZE; set it back,
-                # so the next header block begins with table size updates and then indexes.
-                self.conn.encoder.header_table_size = _H2_TABLE_SIZE
-        elif isinstance(event, h2.events.SettingsAcknowledged):
+    def _receive(self, data: bytes) -> None:
+        buffer = self.inbuf
+        buffer += data
+        if not self.preface_read:
+            if len(buffer) < len(_H2_PREFACE):
+                if not _H2_PREFACE.startswith(bytes(buffer)):
+                    self._connection_error(_H2_PROTOCOL_ERROR, "no HTTP/2 client preface")
+                return
+            if buffer[:len(_H2_PREFACE)] != _H2_PREFACE:
+                self._connection_error(_H2_PROTOCOL_ERROR, "no HTTP/2 client preface")
+            del buffer[:len(_H2_PREFACE)]
+            self.preface_read = True
+        offset = 0
+        while len(buffer) - offset >= 9:
+            length = int.from_bytes(buffer[offset:offset + 3], "big")
+            if length > _H2_MAX_FRAME:
+                self._connection_error(_H2_FRAME_SIZE_ERROR, "a frame of %d bytes" % length)
+            if len(buffer) - offset < 9 + length:
+                break
+            kind, flags = buffer[offset + 3], buffer[offset + 4]
+            stream_id = int.from_bytes(buffer[offset + 5:offset + 9], "big") & _H2_LAST_STREAM
+            payload = bytes(buffer[offset + 9:offset + 9 + length])
+            offset += 9 + length
+            self.server._tally(self.server.frames_received, kind)
+            self._on_frame(kind, flags, stream_id, payload)
+        del buffer[:offset]
+
+    def _connection_error(self, code: int, problem: str) -> NoReturn:
+        """The client broke HTTP/2: record it, GOAWAY with code, close."""
+        with self.server._lock:
+            self.server.protocol_errors.append(problem)
+        self._goaway(code, self.highest_opened)
+        raise _H2Close("graceful")
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self.block is not None and kind != _H2_CONTINUATION:
+            self._connection_error(_H2_PROTOCOL_ERROR, "a header block was interrupted")
+        if kind == _H2_DATA:
+            self._on_data(flags, stream_id, payload)
+        elif kind == _H2_HEADERS:
+            if flags & _H2_PADDED:
+                payload = payload[1:len(payload) - payload[0]]
+            if flags & _H2_PRIORITY_FLAG:
+                payload = payload[5:]
+            self.block = (stream_id, bool(flags & _H2_END_STREAM), bytearray(payload))
+            if flags & _H2_END_HEADERS:
+                self._on_header_block()
+        elif kind == _H2_CONTINUATION:
+            if self.block is None or self.block[0] != stream_id:
+                self._connection_error(_H2_PROTOCOL_ERROR, "a CONTINUATION out of place")
+            assert self.block is not None
+            self.block[2].extend(payload)
+            if flags & _H2_END_HEADERS:
+                self._on_header_block()
+        elif kind == _H2_RST_STREAM:
+            self.server._count("streams_reset_by_client")
+            self._forget(stream_id)
+        elif kind == _H2_SETTINGS:
+            self._on_settings(flags, payload)
+        elif kind == _H2_PING:
+            self._on_ping(flags, payload)
+        elif kind == _H2_GOAWAY:
+            self.server._count("goaways_received")
+            raise _H2Close("graceful")
+        elif kind == _H2_WINDOW_UPDATE:
+            increment = int.from_bytes(payload[:4], "big") & _H2_LAST_STREAM
+            if stream_id == 0:
+                self.peer_window += increment
+            elif stream_id in self.streams:
+                self.streams[stream_id].send_window += increment
+        # PRIORITY and frame types this server does not know are ignored (RFC 9113 5.5).
+
+    def _on_settings(self, flags: int, payload: bytes) -> None:
+        if flags & _H2_ACK:
             if self.unacked:
                 values = self.unacked.popleft()
                 self.acked_limit = values.get(_H2_SETTINGS_MAX_CONCURRENT_STREAMS, self.acked_limit)
@@ -4184,18 +4375,65 @@ class _H2Session:
                 if self.stalling:
                     for stream in self.streams.values():
                         self._check_stalled(stream)
-        elif isinstance(event, h2.events.PingReceived):
-            server._count("pings_received")
-        elif isinstance(event, h2.events.ConnectionTerminated):
-            server._count("goaways_received")
-            raise _H2Close("graceful")  # h2 sends nothing more once the client said GOAWAY
+            return
+        values = {
+            int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
+            for i in range(0, len(payload) - 5, 6)
+        }
+        with self.server._lock:
+            self.server.settings_received.append(values)
+        window = values.get(_H2_SETTINGS_INITIAL_WINDOW_SIZE)
+        if window is not None:
+            for stream in self.streams.values():
+                stream.send_window += window - self.peer_initial_window
+            self.peer_initial_window = window
+        self.peer_frame = values.get(_H2_SETTINGS_MAX_FRAME_SIZE, self.peer_frame)
+        # HEADER_TABLE_SIZE: no table (literals only), or use_dynamic_table ignores it.
+        self._queue(_H2_SETTINGS, _H2_ACK, 0)
 
-    def _on_request(self, stream_id: int, headers: List[Tuple[bytes, bytes]]) -> None:
+    def _on_ping(self, flags: int, payload: bytes) -> None:
+        if flags & _H2_ACK:
+            self.server._count("pings_acked")
+            if payload == _H2_GOAWAY_PING:
+                self.goaway_seen = True
+            return
+        self.server._count("pings_received")
+        self._queue(_H2_PING, _H2_ACK, 0, payload)
+        self.pings_in_a_row += 1
+        if self.ping_limit is not None and self.pings_in_a_row >= self.ping_limit:
+            self._goaway(_H2_ENHANCE_YOUR_CALM, self.highest_opened, b"too_many_pings")
+            raise _H2Close("drop")
+
+    def _on_header_block(self) -> None:
+        assert self.block is not None
+        stream_id, end_stream, block = self.block
+        self.block = None
+        try:
+            fields = self.decoder.decode(bytes(block))
+        except _HPACKError as error:
+            self._connection_error(_H2_COMPRESSION_ERROR, "undecodable headers: %s" % error)
+        if stream_id in self.streams:  # trailers
+            if end_stream:
+                self._on_end(stream_id)
+        elif stream_id > self.highest_opened and stream_id % 2:
+            self._on_request(stream_id, fields)
+            if end_stream and stream_id in self.streams:
+                self._on_end(stream_id)
+
+    def _on_request(self, stream_id: int, fields: Tuple[Tuple[str, str], ...]) -> None:
         server = self.server
-        if self.goaway_last is not None and stream_id > self.goaway_last:
-            return  # after GOAWAY: ignored, as the client must know
+        opened_before, self.highest_opened = self.highest_opened, stream_id
+        self.pings_in_a_row = 0
+        if self.goaway_last is not None:
+            if self.goaway_seen:
+                server._count("streams_after_goaway")
+            if stream_id > self.goaway_last:
+                return  # after GOAWAY: ignored, as the client must know
         if len(self.open) >= self.acked_limit:
             server._count("stream_limit_violations")
+            if self.on_too_many == KILL_CONNECTION:
+                self._goaway(_H2_PROTOCOL_ERROR, opened_before, b"exceeded_max_concurrent_streams")
+                raise _H2Close("drop")
             self._refuse(stream_id)
             return
         action = server._next_action()
@@ -4204,29 +4442,42 @@ class _H2Session:
         if action == REFUSE_STREAM:
             self._refuse(stream_id)
             return
-        self.streams[stream_id] = _H2Stream(stream_id, headers, action)
+        if action == GOAWAY_BEFORE_READ:
+            self._goaway(last=opened_before)
+            return
+        self.streams[stream_id] = _H2Stream(stream_id, fields, action, self.peer_initial_window)
         self.open.add(stream_id)
         if len(self.open) > server.max_open_streams_seen:
             with server._lock:
                 server.max_open_streams_seen = max(server.max_open_streams_seen, len(self.open))
 
-    def _on_data(self, stream_id: int, data: bytes, size: int) -> None:
+    def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        size = len(payload)  # padding included: it is flow-controlled too
+        self.window -= size
+        if self.window < 0:
+            self.server._count("flow_control_violations")
+            self._connection_error(_H2_FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        if flags & _H2_PADDED and payload:
+            payload = payload[1:len(payload) - payload[0]]
+        end_stream = bool(flags & _H2_END_STREAM)
         stream = self.streams.get(stream_id)
         if stream is None or stream.request is not None:
-            self._acknowledge(stream_id, size)  # an ignored stream's bytes: give them back
+            self._acknowledge(0, size)  # an ignored stream's bytes: give the connection's back
             return
-        stream.body += data
+        stream.body += payload
         stream.received += size
         if not self.stalling:
-            self._acknowledge(stream_id, size)
-            return
-        self.held[stream_id] = self.held.get(stream_id, 0) + size
-        if stream.received > self.acked_window:  # no WINDOW_UPDATE was sent while stalling
-            self.server._count("flow_control_violations")
-            self._forget(stream_id)
-            self._reset_stream(stream_id, _H2_FLOW_CONTROL_ERROR)
+            self._acknowledge(0 if end_stream else stream_id, size)
         else:
+            self.held[stream_id] = self.held.get(stream_id, 0) + size
+            if stream.received > self.acked_window:  # no WINDOW_UPDATE was sent while stalling
+                self.server._count("flow_control_violations")
+                self._forget(stream_id)
+                self._reset_stream(stream_id, _H2_FLOW_CONTROL_ERROR)
+                return
             self._check_stalled(stream)
+        if end_stream:
+            self._on_end(stream_id)
 
     def _check_stalled(self, stream: _H2Stream) -> None:
         if stream.request is None and stream.received >= self.acked_window:
@@ -4240,26 +4491,27 @@ class _H2Session:
             return  # ignored after GOAWAY, refused, or reset
         pseudo: Dict[str, str] = {}
         headers: Dict[str, str] = {}
-        for raw_name, raw_value in stream.headers:
-            name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+        for name, value in stream.fields:
             if name.startswith(":"):
                 pseudo[name] = value
             else:
                 headers[name] = headers[name] + ", " + value if name in headers else value
         request = H2Request(stream_id, pseudo, headers, bytes(stream.body), self.number)
         with server._lock:
-            server.requests.append(request)
             action = stream.action
             if action is None:
                 action = server._action_for_token(request)
-                if action in (REFUSE_STREAM, RESET_BEFORE_READ):  # by_token: as if unread
-                    server.requests.remove(request)
+            if action not in (REFUSE_STREAM, RESET_BEFORE_READ, GOAWAY_BEFORE_READ):
+                server.requests.append(request)  # by_token's "before read" ones: as if unread
         if action == RESET_BEFORE_READ:
             raise _H2Close("reset")
-        if action == REFUSE_STREAM:
+        if action in (REFUSE_STREAM, GOAWAY_BEFORE_READ):
             self.streams.pop(stream_id, None)
             self.open.discard(stream_id)
-            self._refuse(stream_id)
+            if action == REFUSE_STREAM:
+                self._refuse(stream_id)
+            else:
+                self._goaway(last=stream_id - 2)
             return
         stream.request, stream.action = request, action
         if stream_id in self.stalled:
@@ -4267,27 +4519,40 @@ class _H2Session:
                 self.stalled.discard(stream_id)
         self.recorded += 1
         self.highest_recorded = max(self.highest_recorded, stream_id)
-        if action == RESET_AFTER_READ:
-            raise _H2Close("reset")
-        if action == DROP_CONNECTION_AFTER_READ:
-            raise _H2Close("drop")
-        if action == GOAWAY_AFTER_READ:
-            self._goaway()
-        if action == RESET_STREAM_AFTER_READ:
-            self._reset_stream(stream_id, _H2_INTERNAL_ERROR)
-            self._finish(stream)
-        else:
-            delay = server.reply_delay + (server.slow_seconds if action == SLOW else 0.0)
-            if delay > 0:
-                self.sequence += 1
-                heapq.heappush(self.timers, (time.monotonic() + delay, self.sequence, stream_id))
-            else:
-                self._answer(stream)
+        self._act(stream, action)
         if self.goaway_after is not None and self.goaway_last is None:
             if self.recorded >= self.goaway_after:
                 self._goaway()
         if self.shrink is not None and self.recorded == self.shrink[0]:
             self._send_settings({_H2_SETTINGS_MAX_CONCURRENT_STREAMS: self.shrink[1]})
+
+    def _act(self, stream: _H2Stream, action: Optional[Action]) -> None:
+        """What a recorded stream's action does: misbehave, or answer (maybe later)."""
+        if action == RESET_AFTER_READ:
+            raise _H2Close("reset")
+        if action == DROP_CONNECTION_AFTER_READ:
+            raise _H2Close("drop")
+        if action == SERVER_GOES_AWAY_AFTER_READ:
+            self.server.go_away()
+            raise _H2Close("drop")
+        if action == GOAWAY_AND_CLOSE_AFTER_READ:
+            self._goaway(_H2_INTERNAL_ERROR, self.highest_opened)
+            raise _H2Close("drop")
+        if action == GOAWAY_AFTER_READ:
+            self._goaway()
+        if action == SHUTDOWN_NOTICE_AFTER_READ and self.goaway_last is None:
+            self._goaway(last=_H2_LAST_STREAM)
+            self.notice_pending = True
+            self._start_timer(self.server.shutdown_grace, 0)
+        if action == RESET_STREAM_AFTER_READ:
+            self._reset_stream(stream.id, _H2_INTERNAL_ERROR)
+            self._finish(stream)
+            return
+        delay = self.server.reply_delay + (self.server.slow_seconds if action == SLOW else 0.0)
+        if delay > 0:
+            self._start_timer(delay, stream.id)
+        else:
+            self._answer(stream)
 
     def _forget(self, stream_id: int) -> None:
         """The stream ends unanswered: its unused action goes back to the queue."""
@@ -4307,34 +4572,38 @@ class _H2Session:
             self.stalled.clear()
         self._send_settings({_H2_SETTINGS_INITIAL_WINDOW_SIZE: _H2_DEFAULT_WINDOW})
         for stream_id, size in sorted(self.held.items()):
-            self._acknowledge(stream_id, size)
+            self._acknowledge(stream_id if stream_id in self.open else 0, size)
         self.held.clear()
 
     def _acknowledge(self, stream_id: int, size: int) -> None:
+        """WINDOW_UPDATEs giving back size bytes: the connection's, and stream_id's if not 0."""
         if size:
-            self.conn.acknowledge_received_data(size, stream_id)
+            increment = size.to_bytes(4, "big")
+            self.window += size
+            self._queue(_H2_WINDOW_UPDATE, 0, 0, increment)
+            if stream_id:
+                self._queue(_H2_WINDOW_UPDATE, 0, stream_id, increment)
 
     def _refuse(self, stream_id: int) -> None:
         self.server._count("streams_refused")
         self._reset_stream(stream_id, _H2_REFUSED_STREAM)
 
     def _reset_stream(self, stream_id: int, error_code: int) -> None:
-        try:
-            self.conn.reset_stream(stream_id, error_code=error_code)
-        except h2.exceptions.StreamClosedError:
-            pass
+        self._queue(_H2_RST_STREAM, 0, stream_id, error_code.to_bytes(4, "big"))
 
     def _send_settings(self, values: Dict[int, int]) -> None:
-        frame = hyperframe.frame.SettingsFrame(0, settings=values)
         self.unacked.append(values)
-        self._queue_frame(frame.serialize())
+        self._queue(_H2_SETTINGS, 0, 0, _h2_settings_payload(values))
 
-    def _goaway(self) -> None:
-        """Graceful GOAWAY: streams up to the highest recorded one are still answered."""
-        last = self.highest_recorded
+    def _goaway(self, error_code: int = _H2_NO_ERROR, last: Optional[int] = None,
+                debug: bytes = b"") -> None:
+        """GOAWAY and a PING: streams up to last (by default the highest recorded one) are
+        still answered, those above it forgotten; the PING's ACK tells the client saw it."""
+        last = self.highest_recorded if last is None else last
         self.goaway_last = last
-        frame = hyperframe.frame.GoAwayFrame(0, last_stream_id=last, error_code=0)
-        self._queue_frame(frame.serialize())
+        self.goaway_seen = False
+        self._queue(_H2_GOAWAY, 0, 0, _h2_goaway_payload(last, error_code, debug))
+        self._queue(_H2_PING, 0, 0, _H2_GOAWAY_PING)
         self.server._count("goaways_sent")
         for stream_id in sorted(s for s in self.streams if s > last):
             self._forget(stream_id)
@@ -4348,10 +4617,19 @@ class _H2Session:
         if stream.request is not None:
             self.streams.pop(stream.id, None)
 
+    def _start_timer(self, delay: float, stream_id: int) -> None:
+        """Answer stream_id delay seconds from now; stream 0: send the real GOAWAY then."""
+        self.sequence += 1
+        heapq.heappush(self.timers, (time.monotonic() + delay, self.sequence, stream_id))
+
     def _run_timers(self) -> None:
         now = time.monotonic()
         while self.timers and self.timers[0][0] <= now:
             _, _, stream_id = heapq.heappop(self.timers)
+            if stream_id == 0:
+                self.notice_pending = False
+                self._goaway(last=self.highest_opened)
+                continue
             stream = self.streams.get(stream_id)
             if stream is not None and stream_id in self.open:
                 self._answer(stream)
@@ -4369,7 +4647,8 @@ class _H2Session:
             reply = action
         else:
             reply = server.dispatch(stream.request)
-        body = b"" if reply.status in (204, 304) or reply.status < 200 else reply.body
+        bodiless = reply.status in (204, 304) or reply.status < 200
+        body = b"" if bodiless else reply.body
         length = len(body)
         if action == TRUNCATED_BODY:
             length = max(length, 2)
@@ -4378,13 +4657,14 @@ class _H2Session:
         for name, value in reply.headers.items():
             if name.lower() not in _H2_NOT_FORWARDED:
                 fields.append((name.lower().encode("latin-1"), str(value).encode("latin-1")))
-        if not (reply.status in (204, 304) or reply.status < 200):
+        if not bodiless:
             fields.append((b"content-length", b"%d" % length))
-        if self.dynamic_table:
+        if self.encoder.dynamic:
             fields.extend(self._extra_fields())
-        if not self._send_headers(stream.id, fields, end_stream=not body):
-            self._finish(stream)
-        elif body:
+        if server.ping_before_answers:
+            self._queue(_H2_PING, 0, 0, _H2_SERVER_PING)
+        self._send_headers(stream.id, self.encoder.encode(fields), end_stream=not body)
+        if body:
             stream.out = memoryview(body)
             self.sending[stream.id] = stream
         else:
@@ -4406,78 +4686,74 @@ class _H2Session:
             (b"x-fake", b"%d" % number),
         ]
 
-    def _send_headers(self, stream_id: int, fields: List[Tuple[bytes, bytes]], end_stream: bool
-                      ) -> bool:
-        """HEADERS (+ CONTINUATION); False if the stream is gone (reset by the client)."""
-        h2_stream = self.conn.streams.get(stream_id) if self.server.continuation else None
-        saved = None
-        if h2_stream is not None:
-            # h2 cuts a header block into frames of its stream's max_outbound_frame_size;
-            # frames smaller than the client's SETTINGS_MAX_FRAME_SIZE are always allowed.
-            saved = h2_stream.max_outbound_frame_size
-            h2_stream.max_outbound_frame_size = max(1, self.server.continuation_fragment)
-        try:
-            self.conn.send_headers(stream_id, fields, end_stream=end_stream)
-        except h2.exceptions.StreamClosedError:
-            return False
-        finally:
-            if h2_stream is not None:
-                h2_stream.max_outbound_frame_size = saved
-        return True
+    def _send_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
+        """HEADERS, then CONTINUATIONs if the block is cut (continuation) or too big."""
+        size = self.server.continuation_fragment if self.server.continuation else self.peer_frame
+        size = max(1, min(size, self.peer_frame))
+        pieces = [block[start:start + size] for start in range(0, len(block), size)] or [b""]
+        flags = _H2_END_STREAM if end_stream else 0
+        for number, piece in enumerate(pieces):
+            last = _H2_END_HEADERS if number == len(pieces) - 1 else 0
+            if number == 0:
+                self._queue(_H2_HEADERS, flags | last, stream_id, piece)
+            else:
+                self._queue(_H2_CONTINUATION, last, stream_id, piece)
 
     def _pump(self) -> None:
         """DATA frames for the answers being sent, as far as the client's windows allow."""
         for stream in list(self.sending.values()):
-            while stream.out is not None and len(self.outbuf) < _H2_OUTBUF_HIGH:
-                try:
-                    window = self.conn.local_flow_control_window(stream.id)
-                except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
-                    self._finish(stream)  # reset by the client meanwhile
-                    break
-                size = min(window, self.conn.max_outbound_frame_size, len(stream.out))
+            while stream.out is not None and self.queued < _H2_OUTBUF_HIGH:
+                size = min(stream.send_window, self.peer_window, self.peer_frame, len(stream.out))
                 if size <= 0:
                     break
                 piece, rest = stream.out[:size], stream.out[size:]
-                try:
-                    self.conn.send_data(stream.id, bytes(piece), end_stream=not rest)
-                except h2.exceptions.StreamClosedError:
-                    self._finish(stream)
-                    break
+                stream.send_window -= size
+                self.peer_window -= size
+                flags = 0 if rest else _H2_END_STREAM
+                self._queue(_H2_DATA, flags, stream.id, bytes(piece))
                 if rest:
                     stream.out = rest
                 else:
                     stream.out = None
                     self._finish(stream)
-                self._queue_h2()
 
-    def _queue_h2(self) -> None:
-        data = self.conn.data_to_send()
-        if data:
-            self.sent_tally.feed(data)
-            self.outbuf += data
+    def _queue(self, kind: int, flags: int, stream_id: int, payload: bytes = b"") -> None:
+        frame = _h2_frame(kind, flags, stream_id, payload)
+        self.server._tally(self.server.frames_sent, kind)
+        self.outq.append(frame)
+        self.queued += len(frame)
 
-    def _queue_frame(self, frame: bytes) -> None:
-        """A frame made here rather than by h2, queued after everything h2 made before."""
-        self._queue_h2()
-        self.sent_tally.feed(frame)
-        self.outbuf += frame
+    def _next_write(self) -> bytes:
+        """The bytes for the next send(): one record's worth, as the knobs say."""
+        if self.server.record_per_frame and not self.server.split_tls_records:
+            limit = len(self.outq[0])
+        elif self.server.split_tls_records:
+            limit = _H2_SPLIT_SIZES[self.split_index % len(_H2_SPLIT_SIZES)]
+            self.split_index += 1
+        else:
+            limit = _H2_WRITE_SIZE
+        parts: List[bytes] = []
+        size = 0
+        while self.outq and size < limit:
+            chunk = self.outq.popleft()
+            if size + len(chunk) > limit:
+                self.outq.appendleft(chunk[limit - size:])
+                chunk = chunk[:limit - size]
+            parts.append(chunk)
+            size += len(chunk)
+        self.queued -= size
+        return b"".join(parts)
 
     def _flush(self) -> None:
         """Write what the socket takes now; the rest waits for it to be writable."""
-        while self.outbuf:
-            size = self.attempt  # a retry must offer the same bytes again
-            if not size:
-                if self.server.split_tls_records:
-                    size = _H2_SPLIT_SIZES[self.split_index % len(_H2_SPLIT_SIZES)]
-                    self.split_index += 1
-                size = min(size or _H2_WRITE_SIZE, len(self.outbuf))
+        while self.offered or self.outq:
+            if not self.offered:
+                self.offered = self._next_write()
             try:
-                sent = self.sock.send(self.outbuf[:size])
+                sent = self.sock.send(self.offered)
             except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
-                self.attempt = size
                 return
-            self.attempt = 0
-            del self.outbuf[:sent]
+            self.offered = self.offered[sent:]
 
     def _flush_for(self, patience: float) -> None:
         deadline = time.monotonic() + patience
@@ -4485,9 +4761,11 @@ class _H2Session:
             try:
                 self._flush()
             except OSError:
-                self.outbuf.clear()
+                self.outq.clear()
+                self.offered = b""
             remaining = deadline - time.monotonic()
-            if not self.outbuf or remaining <= 0 or self.server._stopping.is_set():
+            done = not self.outq and not self.offered
+            if done or remaining <= 0 or self.server._stopping.is_set():
                 return
             self.selector.modify(self.sock, selectors.EVENT_WRITE)
             self.selector.select(min(remaining, _H2_POLL))
@@ -4503,9 +4781,11 @@ def sent_counts(server: FakeFCM) -> Dict[str, int]:
     return collections.Counter(tokens_sent(server))
 
 
-@requires_h2
-class HTTP2Test(ServerTestCase):
+class HTTP2TestCase(ServerTestCase):
+    """A test against its own FakeFCM2, with v1 clients that speak HTTP/2 to it."""
+
     server_class = FakeFCM2
+    server: FakeFCM2
 
     def setUp(self) -> None:
         super().setUp()
@@ -4529,6 +4809,9 @@ class HTTP2Test(ServerTestCase):
             self.assertIsInstance(outcome, andpush.Response)
         self.assertEqual(sent_counts(self.server), {"t%d" % i: 1 for i in range(count)})
 
+
+
+class HTTP2Test(HTTP2TestCase):
     def test_push_many_multiplexes_streams_over_one_connection(self) -> None:
         outcomes = self.push_many(200, concurrency=50)
         self.assert_all_sent_once(outcomes, 200)
@@ -4640,15 +4923,28 @@ class HTTP2Test(ServerTestCase):
 
     def test_a_stalled_window_holds_the_data_until_the_server_opens_it(self) -> None:
         self.server.stall_window = True
-        threading.Timer(0.3, self.server.release_window).start()
+        threading.Timer(0.1, self.server.release_window).start()
         self.assert_all_sent_once(self.push_many(10), 10)
         self.assertEqual(self.server.flow_control_violations, 0)
         self.assertGreater(self.server.stalled_streams, 0)
 
+    def test_a_stalled_connection_window_holds_the_data_until_the_server_opens_it(
+            self) -> None:
+        self.server.stall_window = True
+        self.server.stall_window_size = _H2_DEFAULT_WINDOW  # only the connection's binds
+        threading.Timer(0.1, self.server.release_window).start()
+        padding = "x" * 8000  # ten of these are more than the 65535-byte connection window
+        client = self.h2_client()
+        outcomes = list(client.push_many(
+            [{"token": "t%d" % i, "data": {"pad": padding}} for i in range(10)]))
+        self.assert_all_sent_once(outcomes, 10)
+        self.assertEqual(self.server.flow_control_violations, 0)
+        self.assertGreater(self.server.frames_received["DATA"], 10)  # some waited for window
+
     def test_every_stream_has_a_deadline(self) -> None:
         self.server.slow_seconds = 2.0
         self.server.by_token["t2"] = [SLOW]
-        outcomes = self.push_many(6, timeout=0.3)
+        outcomes = self.push_many(6, timeout=0.2)
         self.assertIsInstance(outcomes[2], andpush.NetworkError)
         self.assertTrue(outcomes[2].may_have_been_delivered)
         self.assertEqual(sum(isinstance(o, andpush.Response) for o in outcomes), 5)
@@ -4665,7 +4961,7 @@ class HTTP2Test(ServerTestCase):
         self.assertIsInstance(outcomes[0], andpush.Response)
 
     def test_rate_limit_holds_over_http2(self) -> None:
-        client = self.h2_client(rate_limit=50)
+        client = self.h2_client(rate_limit=100)
         reserve = unittest.mock.Mock(wraps=client._reserve_send)
         client._reserve_send = reserve  # type: ignore[method-assign]
         started = time.monotonic()
@@ -4676,8 +4972,8 @@ class HTTP2Test(ServerTestCase):
         sender.join(20)
         self.assertFalse(sender.is_alive(), "push_many under rate_limit never finished")
         self.assert_all_sent_once(outcomes, 11)
-        # Eleven sends at 50 a second take 0.2 s at least, each waiting for its own slot once.
-        self.assertGreaterEqual(time.monotonic() - started, 0.2)
+        # Eleven sends at 100 a second take 0.1 s at least, each waiting for its own slot once.
+        self.assertGreaterEqual(time.monotonic() - started, 0.1)
         self.assertEqual(reserve.call_count, 11)
 
     def test_bad_messages_are_outcomes_not_sends(self) -> None:
@@ -4699,11 +4995,249 @@ class HTTP2Test(ServerTestCase):
         outcomes = self.h2_client().push_many(messages, concurrency=10)
         next(outcomes)
         outcomes.close()  # type: ignore[attr-defined]
-        time.sleep(0.2)
+        time.sleep(0.1)
         processed = self.server.processed
-        time.sleep(0.2)
+        time.sleep(0.1)
         self.assertEqual(self.server.processed, processed)
         self.assertLessEqual(messages.taken, 1 + 10 * andpush._WINDOW_PER_WORKER)
+
+
+
+class PushManyHTTP2Test(PushManySpec, V1TestCase):
+    server_class = FakeFCM2
+    PROTOCOL_FAULTS = {
+        "lost": ([RESET_STREAM_AFTER_READ], andpush.NetworkError, 1),  # reset after reading
+        "refused": ([REFUSE_STREAM], andpush.Response, 1),  # not read: sent again at once
+        "unread": ([GOAWAY_BEFORE_READ], andpush.Response, 1),  # above last_stream_id
+    }
+    NOT_READ = REFUSE_STREAM
+
+    # fails until the engine rewrite (issue 9): the sender reports progress once per batch
+    @unittest.expectedFailure
+    def test_progress_counts_done_and_failed(self) -> None:
+        PushManySpec.test_progress_counts_done_and_failed(self)
+
+
+class H2HeaderEncoderTest(unittest.TestCase):
+    """The fake's own HPACK, decoded by andpush's decoder: what the tests rely on."""
+
+    FIELDS = [(b":status", b"200"), (b"content-type", b"application/json"),
+              (b"x-fake", b"1")]
+
+    def decoded(self, block: bytes, decoder: _HPACKDecoder) -> List[Tuple[bytes, bytes]]:
+        return [(n.encode("latin-1"), v.encode("latin-1")) for n, v in decoder.decode(block)]
+
+    def test_literals_without_indexing_leave_no_table(self) -> None:
+        encoder, decoder = _H2HeaderEncoder(dynamic=False), _HPACKDecoder(0)
+        for _ in range(2):
+            self.assertEqual(self.decoded(encoder.encode(self.FIELDS), decoder), self.FIELDS)
+        self.assertEqual(decoder.entries, [])
+
+    def test_the_dynamic_table_is_announced_filled_and_reused(self) -> None:
+        encoder, decoder = _H2HeaderEncoder(dynamic=True), _HPACKDecoder(_H2_TABLE_SIZE)
+        first = encoder.encode(self.FIELDS)
+        self.assertTrue(first.startswith(bytes.fromhex("203fe11f")))  # sizes 0, then 4096
+        self.assertEqual(self.decoded(first, decoder), self.FIELDS)
+        second = encoder.encode(self.FIELDS)
+        self.assertEqual(second, bytes((0x80 | 64, 0x80 | 63, 0x80 | 62)))  # all indexed
+        self.assertEqual(self.decoded(second, decoder), self.FIELDS)
+
+    def test_old_entries_are_evicted_in_step_with_the_decoder(self) -> None:
+        encoder, decoder = _H2HeaderEncoder(dynamic=True), _HPACKDecoder(_H2_TABLE_SIZE)
+        for number in range(200):
+            fields = [(b"x-fake", b"%d" % number), (b"x-fake", b"%d" % (number // 2))]
+            self.assertEqual(self.decoded(encoder.encode(fields), decoder), fields)
+        self.assertLessEqual(encoder.size, _H2_TABLE_SIZE)
+        self.assertEqual(decoder.size, encoder.size)
+
+
+#: Seconds a client call against a misbehaving server may take before the test fails.
+_H2_DEADLINE = 3.0
+#: Seconds a call with a timeout may take beyond it before the test fails.
+_H2_TIMEOUT_SLACK = 0.5
+
+
+class HTTP2MisbehaviourTest(HTTP2TestCase):
+    """What the HTTP/2 engine must survive, each case bounded: a hang fails, quickly."""
+
+    def bounded(self, call: Callable[[], Any], deadline: float = _H2_DEADLINE) -> Any:
+        """call() in a daemon thread; the test fails if it takes longer than deadline."""
+        result: List[Any] = []
+
+        def run() -> None:
+            try:
+                result.append(call())
+            except BaseException as error:  # noqa: BLE001 (handed to the test below)
+                result.append(error)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(deadline)
+        self.assertFalse(worker.is_alive(), "the client was still busy after %s s" % deadline)
+        return result[0]
+
+    def push_many(self, count: int, concurrency: int = 20, **options: Any) -> List[Any]:
+        """push_many of count messages t0, t1, ...; bounded by the timeout option if given."""
+        client = self.h2_client(**options)
+        messages = [{"token": "t%d" % i} for i in range(count)]
+        deadline = options.get("timeout", _H2_DEADLINE - _H2_TIMEOUT_SLACK) + _H2_TIMEOUT_SLACK
+        outcomes = self.bounded(lambda: list(client.push_many(messages, concurrency=concurrency)),
+                                deadline)
+        if isinstance(outcomes, BaseException):
+            raise outcomes
+        self.assertEqual(len(outcomes), count)
+        return outcomes  # type: ignore[no-any-return]
+
+    def assert_outcomes_truthful(self, outcomes: List[Any]) -> None:
+        """Nothing processed twice; a Response was processed; "not delivered" was not."""
+        counts = sent_counts(self.server)
+        for i, outcome in enumerate(outcomes):
+            with self.subTest(i=i, outcome=outcome):
+                self.assertLessEqual(counts["t%d" % i], 1)
+                if isinstance(outcome, andpush.Response):
+                    self.assertEqual(counts["t%d" % i], 1)
+                else:
+                    self.assertIsInstance(outcome, andpush.NetworkError)
+                    if not outcome.may_have_been_delivered:
+                        self.assertEqual(counts["t%d" % i], 0)
+
+    # fails until the engine rewrite (issue 9)
+    @unittest.expectedFailure
+    def test_a_server_that_goes_away_mid_batch_gives_every_message_one_outcome(self) -> None:
+        self.server.reply_delay = 0.01
+        self.server.by_token["t10"] = [SERVER_GOES_AWAY_AFTER_READ]
+        outcomes = self.push_many(40, concurrency=10, timeout=0.2)
+        self.assert_outcomes_truthful(outcomes)
+        self.assertTrue(outcomes[10].may_have_been_delivered)  # processed, never answered
+        unsent = [o for i, o in enumerate(outcomes) if sent_counts(self.server)["t%d" % i] == 0]
+        self.assertTrue(unsent)
+        self.assertTrue(all(isinstance(o, andpush.NetworkError) for o in unsent))
+        self.assertFalse(unsent[-1].may_have_been_delivered)  # never sent: connect refused
+
+    # fails until the engine rewrite (issue 9)
+    @unittest.expectedFailure
+    def test_a_server_that_never_sends_settings_fails_push_many_within_its_timeout(
+            self) -> None:
+        self.server.send_settings = False
+        outcomes = self.push_many(3, timeout=0.2)
+        for outcome in outcomes:
+            self.assertIsInstance(outcome, andpush.NetworkError)
+            self.assertFalse(outcome.may_have_been_delivered)
+        self.assertEqual(self.server.processed, 0)
+
+    # fails until the engine rewrite (issue 9)
+    @unittest.expectedFailure
+    def test_a_server_that_never_sends_settings_fails_push_within_its_timeout(self) -> None:
+        self.server.send_settings = False
+        client = self.h2_client(timeout=0.2)
+        outcome = self.bounded(lambda: client.push(V1_MESSAGE), 0.2 + _H2_TIMEOUT_SLACK)
+        self.assertIsInstance(outcome, andpush.NetworkError)
+        self.assertFalse(outcome.may_have_been_delivered)
+        self.assertEqual(self.server.processed, 0)
+
+    # fails until the engine rewrite (issue 9)
+    @unittest.expectedFailure
+    def test_a_goaway_every_ten_streams_starves_no_message(self) -> None:
+        self.server.goaway_after = 10
+        outcomes = self.push_many(300, concurrency=50)
+        self.assert_all_sent_once(outcomes, 300)
+        self.assertGreaterEqual(self.server.goaways_sent, 300 // 10)
+
+    # fails until the engine rewrite (issue 9)
+    @unittest.expectedFailure
+    def test_after_the_shutdown_notice_no_new_stream_opens_on_that_connection(self) -> None:
+        self.server.reply_delay = 0.005
+        self.server.by_token["t5"] = [SHUTDOWN_NOTICE_AFTER_READ]
+        outcomes = self.push_many(80, concurrency=10)
+        self.assert_outcomes_truthful(outcomes)
+        self.assertEqual(self.server.streams_after_goaway, 0)
+        self.assertGreaterEqual(self.server.goaways_sent, 2)  # the notice, then the real one
+
+    def test_a_goaway_that_closes_at_once_loses_nothing_silently(self) -> None:
+        self.server.reply_delay = 0.02
+        self.server.by_token["t4"] = [GOAWAY_AND_CLOSE_AFTER_READ]
+        outcomes = self.push_many(30, concurrency=10, max_retries=2, backoff_factor=0.001)
+        self.assert_outcomes_truthful(outcomes)
+        self.assertTrue(outcomes[4].may_have_been_delivered)
+
+    # fails until the engine rewrite (issue 9)
+    @unittest.expectedFailure
+    def test_push_on_a_reused_connection_dropped_after_the_read_is_not_sent_again(
+            self) -> None:
+        client = self.h2_client(max_retries=3, backoff_factor=0.001)
+        client.push({"token": "warm-up"})
+        self.server.by_token[TOKEN] = [DROP_CONNECTION_AFTER_READ]
+        outcome = self.bounded(lambda: client.push(V1_MESSAGE))
+        self.assertIsInstance(outcome, andpush.NetworkError)
+        self.assertTrue(outcome.may_have_been_delivered)
+        self.assertEqual(tokens_sent(self.server).count(TOKEN), 1)
+
+    def test_an_idle_connection_closed_by_the_server_is_replaced_without_a_failed_send(
+            self) -> None:
+        self.server.close_idle_after = 0.05
+        client = self.h2_client()
+        client.push({"token": "first"})
+        deadline = time.monotonic() + _H2_DEADLINE
+        while self.server.goaways_sent == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # the GOAWAY and the close are on their way, or there
+        self.assertIsInstance(self.bounded(lambda: client.push({"token": "second"})),
+                              andpush.Response)
+        self.assertEqual(tokens_sent(self.server), ["first", "second"])
+        self.assertEqual(self.server.connections, 2)
+
+    def test_streams_flowing_never_trigger_too_many_pings(self) -> None:
+        self.server.too_many_pings = 3
+        self.server.reply_delay = 0.001
+        self.assert_all_sent_once(self.push_many(200, concurrency=20), 200)
+        self.assertEqual(self.server.goaways_sent, 0)
+
+    def test_the_client_acknowledges_the_servers_pings(self) -> None:
+        self.server.ping_before_answers = True
+        self.server.reply_delay = 0.01
+        self.assert_all_sent_once(self.push_many(20), 20)
+        deadline = time.monotonic() + _H2_DEADLINE
+        while self.server.pings_acked < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.server.pings_acked, 20)
+
+    # fails until the engine rewrite (issue 9)
+    @unittest.expectedFailure
+    def test_a_hundred_threads_pushing_at_once_share_a_couple_of_connections(self) -> None:
+        client = self.h2_client()
+        self.server.reply_delay = 0.01
+        outcomes: List[Any] = []
+
+        def push(i: int) -> None:
+            outcomes.append(client.push({"token": "t%d" % i}))
+
+        def push_all() -> None:
+            threads = [threading.Thread(target=push, args=(i,), daemon=True) for i in range(100)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        self.bounded(push_all)
+        self.assertEqual(len(outcomes), 100)
+        self.assert_all_sent_once(outcomes, 100)
+        self.assertLessEqual(self.server.connections, 2)
+
+    def test_one_stream_too_many_is_never_opened_even_as_the_limit_shrinks(self) -> None:
+        self.server.close()
+        self.server = FakeFCM2(max_concurrent_streams=5).start()
+        self.addCleanup(self.server.close)
+        self.server.valid_tokens.add(H2_TOKEN)
+        self.server.on_too_many_streams = KILL_CONNECTION
+        self.server.shrink_max_concurrent_streams_to = (10, 2)
+        self.server.reply_delay = 0.005
+        self.assert_all_sent_once(self.push_many(60, concurrency=50), 60)
+        self.assertEqual(self.server.stream_limit_violations, 0)
+        self.assertLessEqual(self.server.max_open_streams_seen, 5)
+
+    def test_each_frame_in_its_own_tls_record(self) -> None:
+        self.server.record_per_frame = True
+        self.assert_all_sent_once(self.push_many(20), 20)
 
 
 if __name__ == "__main__":
