@@ -5240,5 +5240,126 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
         self.assert_all_sent_once(self.push_many(20), 20)
 
 
+class _RawH2Client:
+    """A bare HTTP/2 client for checking FakeFCM2 itself: frames in, frames out, no policy."""
+
+    def __init__(self, server: FakeFCM2, settings: Optional[Dict[int, int]] = None) -> None:
+        raw = socket.create_connection(("127.0.0.1", server.port), timeout=_H2_DEADLINE)
+        self.sock = h2_client_context().wrap_socket(raw, server_hostname="127.0.0.1")
+        self.inbuf = b""
+        payload = _h2_settings_payload(settings or {})
+        self.sock.sendall(_H2_PREFACE + _h2_frame(_H2_SETTINGS, 0, 0, payload))
+        self.decoder = _HPACKDecoder(_H2_TABLE_SIZE)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, kind: int, flags: int, stream_id: int, payload: bytes = b"") -> None:
+        self.sock.sendall(_h2_frame(kind, flags, stream_id, payload))
+
+    def request(self, stream_id: int, end_stream: bool = True) -> None:
+        """HEADERS of a v1 send, with no body (the fake answers it 400: that is enough)."""
+        block = _hpack_encode([(":method", "POST"), (":scheme", "https"), (":path", "/x"),
+                               (":authority", "127.0.0.1")])
+        flags = _H2_END_HEADERS | (_H2_END_STREAM if end_stream else 0)
+        self.send(_H2_HEADERS, flags, stream_id, block)
+
+    def frame(self) -> Optional[Tuple[int, int, int, bytes]]:
+        """The next frame (kind, flags, stream id, payload), or None at the end."""
+        while len(self.inbuf) < 9 or len(self.inbuf) < 9 + int.from_bytes(self.inbuf[:3], "big"):
+            data = self.sock.recv(_H2_RECV_SIZE)
+            if not data:
+                return None
+            self.inbuf += data
+        length = int.from_bytes(self.inbuf[:3], "big")
+        kind, flags = self.inbuf[3], self.inbuf[4]
+        stream_id = int.from_bytes(self.inbuf[5:9], "big")
+        payload, self.inbuf = self.inbuf[9:9 + length], self.inbuf[9 + length:]
+        return kind, flags, stream_id, payload
+
+    def until(self, kind: int) -> Tuple[int, int, int, bytes]:
+        """Frames up to the next one of kind; SETTINGS on the way are acknowledged, the
+        kinds of the others passed over are in self.passed."""
+        self.passed: List[int] = []
+        while True:
+            frame = self.frame()
+            if frame is None:
+                raise AssertionError("the connection ended before a %s" % _H2_FRAME_NAMES[kind])
+            if frame[0] == _H2_SETTINGS and not frame[1] & _H2_ACK:
+                self.send(_H2_SETTINGS, _H2_ACK, 0)
+            if frame[0] == kind:
+                return frame
+            self.passed.append(frame[0])
+
+
+class FakeFCM2Test(unittest.TestCase):
+    """FakeFCM2's faults as a bare client sees them: the ones andpush must never trigger."""
+
+    def setUp(self) -> None:
+        self.server = FakeFCM2(max_concurrent_streams=2).start()
+        self.addCleanup(self.server.close)
+        self.addCleanup(lambda: self.assertEqual(self.server.errors, []))
+
+    def client(self, settings: Optional[Dict[int, int]] = None) -> _RawH2Client:
+        client = _RawH2Client(self.server, settings)
+        self.addCleanup(client.close)
+        client.until(_H2_SETTINGS)  # the server's, acknowledged
+        client.until(_H2_SETTINGS)  # its ACK of ours: the limits bind from now on
+        return client
+
+    def test_one_stream_too_many_is_refused(self) -> None:
+        client = self.client()
+        for stream_id in (1, 3, 5):
+            client.request(stream_id, end_stream=False)
+        kind, _, stream_id, payload = client.until(_H2_RST_STREAM)
+        self.assertEqual((stream_id, int.from_bytes(payload, "big")), (5, _H2_REFUSED_STREAM))
+        self.assertEqual(self.server.stream_limit_violations, 1)
+
+    def test_one_stream_too_many_kills_the_connection_when_told_to(self) -> None:
+        self.server.on_too_many_streams = KILL_CONNECTION
+        client = self.client()
+        for stream_id in (1, 3, 5):
+            client.request(stream_id, end_stream=False)
+        payload = client.until(_H2_GOAWAY)[3]
+        self.assertEqual(int.from_bytes(payload[:4], "big"), 3)  # last stream id
+        self.assertEqual(int.from_bytes(payload[4:8], "big"), _H2_PROTOCOL_ERROR)
+        while client.frame() is not None:
+            pass  # then the connection ends
+        self.assertEqual(self.server.processed, 0)
+
+    def test_three_pings_with_no_request_between_get_goaway_too_many_pings(self) -> None:
+        self.server.too_many_pings = 3
+        client = self.client()
+        for number in range(3):
+            client.send(_H2_PING, 0, 0, b"%8d" % number)
+            client.until(_H2_PING)
+        payload = client.until(_H2_GOAWAY)[3]
+        self.assertEqual(int.from_bytes(payload[4:8], "big"), _H2_ENHANCE_YOUR_CALM)
+        self.assertEqual(payload[8:], b"too_many_pings")
+
+    def test_answers_never_exceed_the_clients_stream_window(self) -> None:
+        self.server.inject(Reply(200, body=b"x" * 100))
+        client = self.client({_H2_SETTINGS_INITIAL_WINDOW_SIZE: 10})
+        client.request(1)
+        self.assertEqual(len(client.until(_H2_DATA)[3]), 10)
+        client.send(_H2_PING, 0, 0, b"12345678")
+        client.until(_H2_PING)
+        self.assertNotIn(_H2_DATA, client.passed)  # nothing more came meanwhile
+        client.send(_H2_WINDOW_UPDATE, 0, 1, (90).to_bytes(4, "big"))
+        kind, flags, _, payload = client.until(_H2_DATA)
+        self.assertEqual((len(payload), flags & _H2_END_STREAM), (90, _H2_END_STREAM))
+
+    def test_the_shutdown_notice_comes_before_the_real_goaway(self) -> None:
+        self.server.inject(SHUTDOWN_NOTICE_AFTER_READ)
+        client = self.client()
+        client.request(1)
+        notice = client.until(_H2_GOAWAY)[3]
+        self.assertEqual(int.from_bytes(notice[:4], "big"), _H2_LAST_STREAM)
+        client.request(3)  # still taken: it is below the notice's last stream id
+        last = client.until(_H2_GOAWAY)[3]
+        self.assertEqual(int.from_bytes(last[:4], "big"), 3)
+        self.assertEqual(self.server.processed, 2)
+
+
 if __name__ == "__main__":
     unittest.main()
