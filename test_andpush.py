@@ -3723,7 +3723,9 @@ RESET_STREAM_AFTER_READ = "RESET_STREAM_AFTER_READ"
 GOAWAY_AFTER_READ = "GOAWAY_AFTER_READ"
 #: When the HEADERS arrive, send GOAWAY(NO_ERROR, last_stream_id = the stream opened before
 #: this one): this stream and any above it are ignored (not recorded), the ones below are
-#: answered, then close (close_notify, FIN).
+#: answered, then close (close_notify, FIN). From by_token, which acts once the request is
+#: read, the request is dropped unrecorded all the same; if a stream above it was already
+#: recorded (a GOAWAY cannot disown that one), it gets RST_STREAM(REFUSED_STREAM) too.
 GOAWAY_BEFORE_READ = "GOAWAY_BEFORE_READ"
 #: Read the request (recorded), send GOAWAY(INTERNAL_ERROR, last_stream_id = the highest
 #: stream opened) and close at once (FIN, no close_notify): the streams in flight, this one
@@ -4140,7 +4142,7 @@ class _H2Session:
         self.notice_pending = False  # the shutdown notice is out, the real GOAWAY is not
         self.close_how = "graceful"  # how to close once a GOAWAY's streams are done
         self.pings_in_a_row = 0  # client PINGs since the last new stream
-        self.active = time.monotonic()  # when a stream was last open (close_idle_after)
+        self.active = time.monotonic()  # when a stream last opened or ended (close_idle_after)
         self.outq: Deque[bytes] = deque()  # frames queued, not yet offered to send()
         self.queued = 0  # bytes in outq
         self.offered = b""  # bytes offered to the last send(): a retry must offer them again
@@ -4207,8 +4209,6 @@ class _H2Session:
                         self._drain_wake()
                     elif mask & selectors.EVENT_READ:
                         readable = True
-                if self.open:
-                    self.active = time.monotonic()
         except _H2Close as close:
             self._close(str(close))
 
@@ -4424,6 +4424,7 @@ class _H2Session:
         server = self.server
         opened_before, self.highest_opened = self.highest_opened, stream_id
         self.pings_in_a_row = 0
+        self.active = time.monotonic()
         if self.goaway_last is not None:
             if self.goaway_seen:
                 server._count("streams_after_goaway")
@@ -4461,8 +4462,11 @@ class _H2Session:
             payload = payload[1:len(payload) - payload[0]]
         end_stream = bool(flags & _H2_END_STREAM)
         stream = self.streams.get(stream_id)
-        if stream is None or stream.request is not None:
-            self._acknowledge(0, size)  # an ignored stream's bytes: give the connection's back
+        if stream is None or stream.request is not None:  # an ignored stream's bytes
+            if self.stalling:
+                self.held[0] = self.held.get(0, 0) + size
+            else:
+                self._acknowledge(0, size)
             return
         stream.body += payload
         stream.received += size
@@ -4508,10 +4512,10 @@ class _H2Session:
         if action in (REFUSE_STREAM, GOAWAY_BEFORE_READ):
             self.streams.pop(stream_id, None)
             self.open.discard(stream_id)
-            if action == REFUSE_STREAM:
-                self._refuse(stream_id)
-            else:
+            if action == GOAWAY_BEFORE_READ:
                 self._goaway(last=stream_id - 2)
+            if action == REFUSE_STREAM or stream_id <= (self.goaway_last or 0):
+                self._refuse(stream_id)  # a GOAWAY that cannot disown it: refused instead
             return
         stream.request, stream.action = request, action
         if stream_id in self.stalled:
@@ -4597,9 +4601,10 @@ class _H2Session:
 
     def _goaway(self, error_code: int = _H2_NO_ERROR, last: Optional[int] = None,
                 debug: bytes = b"") -> None:
-        """GOAWAY and a PING: streams up to last (by default the highest recorded one) are
-        still answered, those above it forgotten; the PING's ACK tells the client saw it."""
-        last = self.highest_recorded if last is None else last
+        """GOAWAY and a PING: streams up to last (by default, and at least, the highest
+        recorded one: a GOAWAY never disowns a processed stream) are still answered, those
+        above it forgotten; the PING's ACK tells that the client has seen the GOAWAY."""
+        last = self.highest_recorded if last is None else max(last, self.highest_recorded)
         self.goaway_last = last
         self.goaway_seen = False
         self._queue(_H2_GOAWAY, 0, 0, _h2_goaway_payload(last, error_code, debug))
@@ -4614,6 +4619,7 @@ class _H2Session:
                 self.stalled.discard(stream.id)
         self.open.discard(stream.id)
         self.sending.pop(stream.id, None)
+        self.active = time.monotonic()
         if stream.request is not None:
             self.streams.pop(stream.id, None)
 
