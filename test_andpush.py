@@ -5060,7 +5060,7 @@ class H2HeaderEncoderTest(unittest.TestCase):
 #: Seconds a client call against a misbehaving server may take before the test fails.
 _H2_DEADLINE = 3.0
 #: Seconds a call with a timeout may take beyond it before the test fails.
-_H2_TIMEOUT_SLACK = 0.5
+_H2_TIMEOUT_SLACK = 0.3
 
 
 class HTTP2MisbehaviourTest(HTTP2TestCase):
