@@ -3167,16 +3167,20 @@ class ReadmeExamplesTest(unittest.TestCase):
                 file.write(TEST_CA_PEM)
             with open(os.path.join(directory, "tokens.txt"), "w") as file:
                 file.write("# test devices\ntoken-1\n\ntoken-2\n")
-            here = os.path.dirname(os.path.abspath(__file__))
-            for command in commands:
-                with self.subTest(command):
-                    argv = shlex.split(command)[1:] + ["--endpoint", server.endpoint,
-                                                       "--cafile", "ca.pem"]
-                    done = subprocess.run(
-                        [sys.executable, "-m", "andpush"] + argv, cwd=directory,
-                        env=dict(os.environ, PYTHONPATH=here), capture_output=True, text=True,
-                        timeout=60)
-                    self.assertEqual(done.returncode, 0, done.stderr)
+            cwd = os.getcwd()
+            os.chdir(directory)  # the examples name their files relative to it
+            try:
+                for command in commands:
+                    with self.subTest(command):
+                        argv = shlex.split(command)[1:] + ["--endpoint", server.endpoint,
+                                                           "--cafile", "ca.pem"]
+                        stderr = io.StringIO()
+                        with contextlib.redirect_stdout(io.StringIO()), \
+                                contextlib.redirect_stderr(stderr):
+                            status = andpush.main(argv)
+                        self.assertEqual(status, 0, stderr.getvalue())
+            finally:
+                os.chdir(cwd)
             self.assertEqual(server.errors, [])
 
 
@@ -3197,8 +3201,14 @@ def _closed_port() -> int:
 
 
 class CliTestCase(unittest.TestCase):
-    """Runs ``python -m andpush`` in a subprocess against a FakeGoogle, with a key file whose
-    token_uri points at the fake and a CA file for its certificate, in a temporary folder."""
+    """Runs the command line against a FakeGoogle, with a key file whose token_uri points at
+    the fake and a CA file for its certificate, in a temporary folder.
+
+    ``andpush()`` runs it in this process through ``andpush.main()``, as fast as a function
+    call; ``andpush_process()`` runs ``python -m andpush`` in a subprocess, for what only a
+    real process shows (the module's entry point, signals, pipes, the exit status itself).
+    Both see the same stripped environment.
+    """
 
     def setUp(self) -> None:
         self.server = FakeGoogle()
@@ -3233,15 +3243,33 @@ class CliTestCase(unittest.TestCase):
         env.update(variables)
         return env
 
-    def andpush(self, *args: str, stdin: str = "", server_key: str = "",
-                options: Optional[List[str]] = None) -> "subprocess.CompletedProcess[str]":
-        """Run andpush with ``args`` followed by ``options`` (default: self.options(), or
-        with ``server_key`` the legacy API's from ANDPUSH_SERVER_KEY)."""
+    def argv(self, args: Tuple[str, ...], server_key: str,
+             options: Optional[List[str]]) -> Tuple[List[str], Dict[str, str]]:
+        """The arguments and environment of a run: ``args`` followed by ``options``
+        (default: self.options(), or with ``server_key`` the legacy API's from
+        ANDPUSH_SERVER_KEY)."""
         if options is None:
             options = self.options(credentials=not server_key)
         env = self.environment(ANDPUSH_SERVER_KEY=server_key) if server_key else self.environment()
+        return [*args, *options], env
+
+    def andpush(self, *args: str, stdin: str = "", server_key: str = "",
+                options: Optional[List[str]] = None) -> "subprocess.CompletedProcess[str]":
+        """Run ``andpush.main()`` here, with stdin, stdout, stderr and os.environ replaced."""
+        argv, env = self.argv(args, server_key, options)
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with unittest.mock.patch.dict(os.environ, env, clear=True), \
+                unittest.mock.patch.object(sys, "stdin", io.StringIO(stdin)), \
+                contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            status = andpush.main(argv)
+        return subprocess.CompletedProcess(argv, status, stdout.getvalue(), stderr.getvalue())
+
+    def andpush_process(self, *args: str, stdin: str = "", server_key: str = "",
+                        options: Optional[List[str]] = None) -> "subprocess.CompletedProcess[str]":
+        """Run ``python -m andpush`` in a subprocess, as a user runs it."""
+        argv, env = self.argv(args, server_key, options)
         return subprocess.run(
-            [sys.executable, "-m", "andpush", *args, *options], input=stdin, cwd=_REPO,
+            [sys.executable, "-m", "andpush", *argv], input=stdin, cwd=_REPO,
             env=env, capture_output=True, text=True, timeout=_CLI_TIMEOUT,
         )
 
@@ -3265,10 +3293,23 @@ class CliTestCase(unittest.TestCase):
         """Answer every request under ``prefix`` with ``reply`` (no credentials checked)."""
         self.server.routes[(method, prefix)] = lambda request: reply
 
+    def retry_without_waiting(self) -> None:
+        """For the rest of the test, in-process runs retry at once: no backoff between the
+        attempts of a message or of a token request (their number is unchanged)."""
+        real_new = andpush.new
+
+        def new(*args: Any, **options: Any) -> andpush.Client:
+            return real_new(*args, backoff_factor=0.0, **options)
+
+        for patcher in (unittest.mock.patch.object(andpush, "new", new),
+                        unittest.mock.patch.object(andpush, "_TOKEN_BACKOFF", 0.0)):
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
 
 class CliHelpTest(CliTestCase):
     def test_help_describes_the_tool_with_examples_and_exits_0(self) -> None:
-        result = self.andpush("--help", options=[])
+        result = self.andpush_process("--help", options=[])  # python -m andpush, for real
         self.assertExit(result, 0)
         for text in ("Firebase Cloud Messaging", "examples:", "andpush send-many --tokens",
                      "send-many", "subscribe", "unsubscribe", "token", "check",
@@ -3330,7 +3371,8 @@ class CliSendTest(CliTestCase):
         self.assertEqual(result.stdout, "")
 
     def test_the_legacy_api_takes_its_server_key_from_the_environment(self) -> None:
-        result = self.andpush("send", "--token", TOKEN, "--title", "Hi", server_key=SERVER_KEY)
+        result = self.andpush_process("send", "--token", TOKEN, "--title", "Hi",
+                                      server_key=SERVER_KEY)
         self.assertExit(result, 0)
         self.assertEqual(json.loads(result.stdout)["success"], 1)
         request = self.server.requests[-1]
@@ -3389,6 +3431,7 @@ class CliSendManyTest(CliTestCase):
             "t7": [fcm_error(503, "UNAVAILABLE")],  # succeeds when retried
         }
         self.server.by_token.update(faults)
+        self.retry_without_waiting()
         result = self.andpush("send-many", "--tokens", self.write("tokens.txt", "\n".join(tokens)),
                               "--body", "Hello", "--concurrency", "4",
                               "--results", os.path.join(self.folder, "results.jsonl"),
@@ -3559,6 +3602,7 @@ class CliCheckTest(CliTestCase):
         unreachable = dict(service_account_info(self.server),
                            token_uri="https://127.0.0.1:%d/token" % _closed_port())
         unreachable_key = self.write("unreachable.json", json.dumps(unreachable))
+        self.retry_without_waiting()
         self.route("POST", "/v1/projects/nope/", fcm_error(404, None))
         self.route("POST", "/v1/projects/locked/", fcm_error(403, None, "Permission denied"))
         table = [
