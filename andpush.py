@@ -3189,7 +3189,7 @@ Credentials (GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default lo
 or the metadata server on Google Cloud). The legacy API takes a server key, best from
 the ANDPUSH_SERVER_KEY environment variable.
 
-proxy: HTTPS_PROXY and NO_PROXY from the environment, else --proxy URL; --proxy ''
+proxy: --proxy URL, else HTTPS_PROXY and NO_PROXY from the environment; --proxy ''
 connects directly whatever the environment says.
 
 exit status:
@@ -3988,18 +3988,20 @@ class _Tally:
         return sum(self.failures.values())
 
     def add(self, token: str, outcome: Outcome) -> None:
+        """Count the outcome, then write it: a write that fails (a closed pipe) leaves the
+        summary still true."""
         record = _record(token, outcome)
-        if self._results is not None:
-            self._results.write(json.dumps(record) + "\n")
+        code = record["error"]
         if record["ok"]:
             self.sent += 1
-            return
-        code = record["error"]
-        self.failures[code] = self.failures.get(code, 0) + 1
+        else:
+            self.failures[code] = self.failures.get(code, 0) + 1
         if code in _UNREGISTERED_CODES:
             self.unregistered += 1
-            if self._unregistered_file is not None:
-                self._unregistered_file.write(token + "\n")
+        if self._results is not None:
+            self._results.write(json.dumps(record) + "\n")
+        if code in _UNREGISTERED_CODES and self._unregistered_file is not None:
+            self._unregistered_file.write(token + "\n")
 
     def report(self, unregistered_path: Optional[str]) -> None:
         """The summary, on stderr."""

@@ -3782,25 +3782,23 @@ class CliOptionNamesTest(CliTestCase):
         no_project = dict(service_account_info(self.server))
         del no_project["project_id"]
         no_project_key = self.write("no-project.json", json.dumps(no_project))
-        table: List[Tuple[List[str], Dict[str, str], int, str]] = [
-            # the options, the environment, the exit status, what the error line says
-            (["--endpoint", "http://127.0.0.1"], {}, 2, "--endpoint must use https://"),
-            (["--project-id", ""], {}, 2, "--project-id must be"),
-            (["--server-key", " "], {}, 2, "--server-key is empty"),
-            ([], {"ANDPUSH_SERVER_KEY": "key\nmore"}, 2, "ANDPUSH_SERVER_KEY contains a line"),
-            (["--credentials", no_project_key], {}, 77,
+        table: List[Tuple[List[str], str, int, str]] = [
+            # the options, ANDPUSH_SERVER_KEY, the exit status, what the error line says
+            (["--endpoint", "http://127.0.0.1"], "", 2, "--endpoint must use https://"),
+            (["--project-id", ""], "", 2, "--project-id must be"),
+            (["--server-key", " "], "", 2, "--server-key is empty"),
+            ([], "key\nmore", 2, "ANDPUSH_SERVER_KEY contains a line break"),
+            (["--credentials", no_project_key], "", 77,
              "pass --project-id or set GOOGLE_CLOUD_PROJECT"),
         ]
-        for options, variables, status, message in table:
+        for options, server_key, status, message in table:
             with self.subTest(message):
-                argv = ["send", "--token", TOKEN, "--title", "Hi", "--cafile", self.ca_file,
-                        *options]
-                stderr = io.StringIO()
-                with unittest.mock.patch.dict(os.environ, self.environment(**variables),
-                                              clear=True), contextlib.redirect_stderr(stderr):
-                    self.assertEqual(andpush.main(argv), status, stderr.getvalue())
-                self.assertIn(message, stderr.getvalue())
-                self.assertNotRegex(stderr.getvalue(), r"\b[a-z_]+=")
+                result = self.andpush("send", "--token", TOKEN, "--title", "Hi",
+                                      server_key=server_key,
+                                      options=["--cafile", self.ca_file, "--endpoint",
+                                               self.server.endpoint, *options])
+                line = self.assertErrorLine(result, status, message)
+                self.assertNotRegex(line, r"\b[a-z_]+=")
 
     def test_topics_with_a_server_key_say_which_option_to_give(self) -> None:
         result = self.andpush("subscribe", "--topic", "news", "--token", "a",
