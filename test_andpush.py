@@ -3757,9 +3757,7 @@ class CliClosedOutputTest(CliTestCase):
         assert process.stdout is not None and process.stderr is not None
         first = json.loads(process.stdout.readline())  # as `| head -n 1` reads, then leaves
         process.stdout.close()
-        stderr = process.stderr.read()
-        process.wait(_CLI_TIMEOUT)
-        process.stderr.close()
+        stderr = process.communicate(timeout=_CLI_TIMEOUT)[1]
         self.assertEqual(first["token"], "t0")
         self.assertEqual(process.returncode, 141, stderr)
         self.assertNotIn("Traceback", stderr)
