@@ -39,7 +39,6 @@ Errors form one tree; each says whose fault it is::
           +-- ServerError  5xx: InternalError, UnavailableError
 """
 
-import argparse
 import base64
 import binascii
 import collections
@@ -64,7 +63,7 @@ import time
 import urllib.parse
 from typing import (
     Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, NoReturn, Optional,
-    TextIO, Tuple, Type, Union,
+    TYPE_CHECKING, TextIO, Tuple, Type, Union,
 )
 
 __version__ = "0.1.0"
@@ -3141,11 +3140,21 @@ def _timeouts(timeout: Optional[float]) -> Tuple[float, float]:
 
 # Command line ################################################################
 # `andpush COMMAND` (or `python -m andpush`): send, send to many, topics, tokens, checks.
+# argparse is imported by the functions that need it, so that `import andpush` does not
+# pay for it: only the command line uses it.
 
-_EXIT_OK = 0           # everything was sent
-_EXIT_FAILED = 1       # some messages (or topic changes) failed
-_EXIT_ERROR = 2        # a usage, credential or connection error: nothing was (or could be) done
+if TYPE_CHECKING:
+    import argparse
+
+# Exit statuses: what a script calling andpush does next. Usage errors keep argparse's 2;
+# the others are sysexits.h's, which cron wrappers and service managers know.
+_EXIT_OK = 0             # everything was sent
+_EXIT_FAILED = 1         # FCM refused some messages (or topic changes): see what it said
+_EXIT_USAGE = 2          # a wrong option, file or message: fix the command
+_EXIT_TEMPFAIL = 75      # EX_TEMPFAIL: the network or FCM is down: try again later
+_EXIT_NOPERM = 77        # EX_NOPERM: no or refused credentials, no permission or project
 _EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
+_EXIT_CLOSED_OUTPUT = 141  # stdout's reader went away (| head): 128 + SIGPIPE, as shells
 
 _SERVER_KEY_VARIABLE = "ANDPUSH_SERVER_KEY"
 _CHECK_TOPIC = "andpush-check"  # the topic `andpush check` validates a message for
@@ -3156,6 +3165,12 @@ _LINE_INTERVAL = 2.0   # seconds between progress lines when stderr is not a ter
 _BAR_WIDTH = 20        # characters between the brackets of the progress bar, at most
 _BAR_MIN_WIDTH = 10    # ... and at least: on a narrower terminal, no bar
 _DEFAULT_COLUMNS = 80  # the width of a terminal that does not say
+# new()'s arguments that the library's messages name, and the options that set them here.
+_OPTIONS_OF_ARGUMENTS = {
+    "credentials": "--credentials", "server_key": "--server-key",
+    "project_id": "--project-id", "endpoint": "--endpoint", "timeout": "--timeout",
+    "proxy": "--proxy", "max_retries": "--max-retries",
+}
 
 _DESCRIPTION = """\
 Send Firebase Cloud Messaging (FCM) messages from the shell: one message, one message
@@ -3174,27 +3189,38 @@ Credentials (GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default lo
 or the metadata server on Google Cloud). The legacy API takes a server key, best from
 the ANDPUSH_SERVER_KEY environment variable.
 
-exit status: 0 all sent; 1 some messages failed; 2 usage, credential or connection
-error; 130 interrupted. Run 'andpush COMMAND --help' for a command's options."""
+proxy: --proxy URL, else HTTPS_PROXY and NO_PROXY from the environment; --proxy ''
+connects directly whatever the environment says.
+
+exit status:
+  0    everything was sent
+  1    FCM refused some messages or tokens (the others were sent)
+  2    usage error: a wrong option, file or message; fix the command
+  75   the network or FCM is down (after the retries): try again later
+  77   credentials missing or refused, no permission, or no such project: fix the setup
+  130  interrupted (Ctrl-C); what was not sent yet was not sent
+  141  the output was closed (as by `| head`); sending stopped there
+Run 'andpush COMMAND --help' for a command's options."""
 
 
 class _Failure(Exception):
     """Ends a command with one error line and an exit status (by default: a usage error)."""
 
-    def __init__(self, message: str, status: int = _EXIT_ERROR) -> None:
+    def __init__(self, message: str, status: int = _EXIT_USAGE) -> None:
         super().__init__(message)
         self.status = status
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, printed (and exited on) by main()."""
+def _parser() -> "argparse.ArgumentParser":
+    import argparse
 
-    def error(self, message: str) -> NoReturn:
-        raise _Failure(message)
+    class Parser(argparse.ArgumentParser):
+        """An ArgumentParser whose errors are one line, printed (and exited on) by main()."""
 
+        def error(self, message: str) -> NoReturn:
+            raise _Failure(message)
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = Parser(
         prog="andpush", description=_DESCRIPTION, epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -3262,7 +3288,7 @@ def _parser() -> argparse.ArgumentParser:
                     "token and have FCM validate, not deliver, a test message to --token or to "
                     "the topic " + _CHECK_TOPIC + "; then say whether the credentials and "
                     "project work, and if not, why. Exit status 0: they work; 1: they do, but "
-                    "FCM refused --token; 2: they do not.")
+                    "FCM refused --token; 77: they do not; 75: FCM could not be reached.")
     check.add_argument("--token", help="a device token to validate the test message for")
     check.set_defaults(run=_cmd_check)
     for sub in every_command:
@@ -3270,12 +3296,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_global_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
+def _add_global_options(parser: "argparse.ArgumentParser", defaults: bool) -> None:
     """The options every command takes, before or after its name.
 
     The subcommands' copies default to SUPPRESS, so that they leave a value given before
     the command alone and override it only when given after.
     """
+    import argparse
+
     def default(value: object) -> object:
         return value if defaults else argparse.SUPPRESS
 
@@ -3297,11 +3325,19 @@ def _add_global_options(parser: argparse.ArgumentParser, defaults: bool) -> None
                        "system's")
     group.add_argument("--timeout", metavar="SECONDS", type=_positive_float,
                        default=default(None), help="for connecting and for each answer")
+    group.add_argument("--max-retries", metavar="N", type=_whole_number,
+                       default=default(DEFAULT_MAX_RETRIES),
+                       help="times a send that failed but may work later (no connection, "
+                       "FCM unavailable) is retried, with growing pauses; 0 fails at once "
+                       "(default: %d)" % DEFAULT_MAX_RETRIES)
+    group.add_argument("--proxy", metavar="URL", default=default(None),
+                       help="connect through this http://[user:pass@]host:port proxy "
+                       "(default: HTTPS_PROXY and NO_PROXY; '' for none)")
     group.add_argument("-v", "--verbose", action="store_true", default=default(False),
                        help="log what andpush does, and show tracebacks, on stderr")
 
 
-def _add_content_options(parser: argparse.ArgumentParser) -> None:
+def _add_content_options(parser: "argparse.ArgumentParser") -> None:
     group = parser.add_argument_group("message content")
     group.add_argument("--title", help="the notification title")
     group.add_argument("--body", help="the notification body")
@@ -3311,9 +3347,14 @@ def _add_content_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--message", metavar="FILE",
                        help="the message as JSON (- reads stdin): a v1 Message, or a legacy "
                        "request body with a server key; the options above are merged into it")
+    group.add_argument("--allow-empty", action="store_true",
+                       help="send a message with no content (no title, body, image, data or "
+                       "--message), which is refused otherwise")
 
 
 def _key_value(text: str) -> Tuple[str, str]:
+    import argparse
+
     key, equals, value = text.partition("=")
     if not key or not equals:
         raise argparse.ArgumentTypeError("expected KEY=VALUE, got %r" % text)
@@ -3321,16 +3362,28 @@ def _key_value(text: str) -> Tuple[str, str]:
 
 
 def _positive_int(text: str) -> int:
+    return _int_from(text, minimum=1, wanted="a positive whole number")
+
+
+def _whole_number(text: str) -> int:
+    return _int_from(text, minimum=0, wanted="a whole number, 0 or more")
+
+
+def _int_from(text: str, minimum: int, wanted: str) -> int:
+    import argparse
+
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError("expected a positive whole number, got %r" % text)
+        value = minimum - 1
+    if value < minimum:
+        raise argparse.ArgumentTypeError("expected %s, got %r" % (wanted, text))
     return value
 
 
 def _positive_float(text: str) -> float:
+    import argparse
+
     try:
         value = float(text)
     except ValueError:
@@ -3352,13 +3405,18 @@ def main(argv: Optional[List[str]] = None) -> int:
             log.setLevel(logging.DEBUG)
         if args.command is None:
             parser.print_help(sys.stderr)
-            return _EXIT_ERROR
-        return int(args.run(args))
+            return _EXIT_USAGE
+        status = int(args.run(args))
+        sys.stdout.flush()  # a closed pipe shows here, while it can still be handled
+        return status
     except SystemExit as exc:  # --help and --version
         return exc.code if isinstance(exc.code, int) else _EXIT_OK
     except KeyboardInterrupt:
         _say("interrupted")
         return _EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader of stdout is gone (| head): nothing to tell it
+        _discard_stdout()
+        return _EXIT_CLOSED_OUTPUT
     except _Failure as exc:
         return _fail(exc, str(exc), exc.status)
     except Error as exc:
@@ -3367,8 +3425,29 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _fail(exc: BaseException, message: str, status: int) -> int:
     log.debug("the command failed:", exc_info=exc)  # the traceback, with --verbose
-    _say("error: " + message)
+    _say("error: " + _in_option_terms(message))
     return status
+
+
+def _in_option_terms(message: str) -> str:
+    """A library message as the command line says it: ``pass credentials= or ...`` becomes
+    ``pass --credentials or ...``, ``proxy=""`` becomes ``--proxy ""``."""
+    def option(match: "re.Match[str]") -> str:
+        more = match.end() < len(match.string)  # a value or words follow the name
+        return _OPTIONS_OF_ARGUMENTS[match.group(1)] + (" " if more else "")
+
+    return re.sub(r"(?<![-\w])(%s)= ?" % "|".join(_OPTIONS_OF_ARGUMENTS), option, message)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at the null device: what is still buffered for a reader that is gone
+    would fail again, noisily, when Python flushes it at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout: nothing at exit
+        pass
 
 
 def _say(text: str) -> None:
@@ -3379,7 +3458,13 @@ def _say(text: str) -> None:
 
 def _is_systemic(error: object) -> bool:
     """Whether an error would fail any message alike: credentials, permission, network."""
-    if isinstance(error, (AuthError, NetworkError)):
+    return isinstance(error, NetworkError) or _is_refused_sender(error)
+
+
+def _is_refused_sender(error: object) -> bool:
+    """No or refused credentials, or FCM's own 401 or 403 (UNAUTHENTICATED,
+    PERMISSION_DENIED): not the APNs credentials' 401, not a token's SENDER_ID_MISMATCH."""
+    if isinstance(error, AuthError):
         return True
     return isinstance(error, HTTPError) and (
         error.status_code == 401 and not isinstance(error, ThirdPartyAuthError)
@@ -3395,20 +3480,27 @@ def _is_missing_project(error: object) -> bool:
     )
 
 
+def _is_outage(error: object) -> bool:
+    """A failure that sending later may cure: no connection, FCM unavailable or over quota
+    (after the retries)."""
+    return isinstance(error, (NetworkError, ServerError, QuotaExceededError))
+
+
 def _exit_status(error: Error) -> int:
-    return _EXIT_ERROR if _is_systemic(error) or _is_missing_project(error) else _EXIT_FAILED
+    if _is_refused_sender(error) or _is_missing_project(error):
+        return _EXIT_NOPERM
+    return _EXIT_TEMPFAIL if _is_outage(error) else _EXIT_FAILED
 
 
 def _explain(error: BaseException) -> str:
     """One line: what went wrong, what to do where that is clear, and the error itself."""
-    if isinstance(error, AuthError):
-        return "credentials problem: %s" % error
     if isinstance(error, NetworkError):
-        return "network problem: %s" % error
+        return "network problem, try again later: %s" % error
     if isinstance(error, ThirdPartyAuthError):
         advice = "FCM refused the project's APNs certificate or web push key"
     elif isinstance(error, HTTPError) and error.status_code == 401:
-        advice = "FCM refused the credentials; check the key file or the server key"
+        advice = "FCM refused the credentials; check the key file (--credentials) or the " \
+            "server key (" + _SERVER_KEY_VARIABLE + ")"
     elif isinstance(error, SenderIdMismatchError):
         advice = "the device token belongs to another Firebase project"
     elif isinstance(error, HTTPError) and error.status_code == 403:
@@ -3417,6 +3509,13 @@ def _explain(error: BaseException) -> str:
             "cloudmessaging.messages.create (e.g. Firebase Cloud Messaging API Admin), and "
             "the Firebase Cloud Messaging API must be enabled for the project"
         )
+    elif isinstance(error, AuthError):  # after the 401 and 403, which may be AuthErrors too
+        return "credentials problem: %s" % error
+    elif isinstance(error, ServerError):
+        advice = "FCM failed or is unavailable; try again later"
+    elif isinstance(error, QuotaExceededError):
+        advice = "over an FCM quota (the project's, a topic's or a device's); send more " \
+            "slowly, or later"
     elif isinstance(error, UnregisteredError):
         advice = "the device token is no longer valid; delete it"
     elif _is_missing_project(error):
@@ -3429,7 +3528,7 @@ def _explain(error: BaseException) -> str:
 
 # Building a client and messages from the options.
 
-def _client(args: argparse.Namespace, rate_limit: Optional[float] = None) -> Client:
+def _client(args: "argparse.Namespace", rate_limit: Optional[float] = None) -> Client:
     """The client the global options describe (legacy when given a server key)."""
     server_key = args.server_key
     if server_key is not None and args.credentials is not None:
@@ -3447,10 +3546,19 @@ def _client(args: argparse.Namespace, rate_limit: Optional[float] = None) -> Cli
         return new(
             server_key, credentials=args.credentials, project_id=args.project_id,
             endpoint=args.endpoint, ssl_context=context, timeout=args.timeout,
-            rate_limit=rate_limit,
+            proxy=args.proxy, max_retries=args.max_retries, rate_limit=rate_limit,
         )
     except (TypeError, ValueError) as exc:
-        raise _Failure(str(exc)) from None
+        raise _Failure(_about_option(str(exc), args)) from None
+
+
+def _about_option(message: str, args: "argparse.Namespace") -> str:
+    """new()'s message about one of its arguments (``endpoint must use https://...``), about
+    the option or variable that set it instead (``--endpoint must use https://...``)."""
+    name, space, rest = message.partition(" ")
+    if name == "server_key" and args.server_key is None:
+        return _SERVER_KEY_VARIABLE + space + rest
+    return _OPTIONS_OF_ARGUMENTS.get(name, name) + space + rest
 
 
 def _is_legacy(client: Client) -> bool:
@@ -3469,7 +3577,7 @@ def _check_ready(client: Client, message: Optional[Dict[str, Any]] = None) -> No
             raise _Failure("bad message: %s" % exc) from None
 
 
-def _message(args: argparse.Namespace) -> Dict[str, Any]:
+def _message(args: "argparse.Namespace") -> Dict[str, Any]:
     """The content options as a message: --message's JSON with the other options merged in."""
     message = _read_message(args.message) if args.message else {}
     notification = {
@@ -3481,6 +3589,14 @@ def _message(args: argparse.Namespace) -> Dict[str, Any]:
     if args.data:
         message["data"] = dict(_object_field(message, "data"), **dict(args.data))
     return message
+
+
+def _check_content(message: Dict[str, Any], args: "argparse.Namespace") -> None:
+    """Refuse a message with nothing but a target, a slip more often than a wish, unless
+    --allow-empty asks for one (send-many would push it to every token)."""
+    if not args.allow_empty and all(name in _TARGET_FIELDS for name in message):
+        raise _Failure("the message has no content: give --title, --body, --image, --data or "
+                       "--message, or --allow-empty to send it without any")
 
 
 def _read_message(path: str) -> Dict[str, Any]:
@@ -3509,7 +3625,9 @@ def _object_field(message: Dict[str, Any], name: str) -> Dict[str, Any]:
     return value
 
 
-def _with_target(message: Dict[str, Any], args: argparse.Namespace, legacy: bool) -> Dict[str, Any]:
+def _with_target(
+    message: Dict[str, Any], args: "argparse.Namespace", legacy: bool
+) -> Dict[str, Any]:
     """The message sent to the target the options name (instead of the file's, if any)."""
     if args.token:
         field, value = ("to" if legacy else "token"), args.token
@@ -3605,8 +3723,9 @@ def _record(token: str, outcome: Outcome) -> Dict[str, Any]:
 
 # Commands: each takes the parsed options and returns the exit status.
 
-def _cmd_send(args: argparse.Namespace) -> int:
+def _cmd_send(args: "argparse.Namespace") -> int:
     content = _message(args)
+    _check_content(content, args)
     with _client(args) as client:
         message = _with_target(content, args, _is_legacy(client))
         try:
@@ -3623,12 +3742,13 @@ def _cmd_send(args: argparse.Namespace) -> int:
     return _EXIT_OK
 
 
-def _cmd_send_many(args: argparse.Namespace) -> int:
+def _cmd_send_many(args: "argparse.Namespace") -> int:
     if args.tokens == "-" and args.message == "-":
         raise _Failure("--tokens and --message cannot both read stdin")
     template = _message(args)
     if any(name in template for name in _TARGET_FIELDS):
         raise _Failure("the --message file must have no target: the tokens come from --tokens")
+    _check_content(template, args)
     with contextlib.ExitStack() as stack:
         lines = _open(args.tokens, "the tokens file", stack)
         results = _open(args.results, "--results", stack, write=True) if args.results else None
@@ -3655,13 +3775,16 @@ def _cmd_send_many(args: argparse.Namespace) -> int:
                 if isinstance(outcome, Exception) and _stops_the_run(outcome, tally.sent):
                     raise outcome
         except KeyboardInterrupt:
-            tally.interrupted = True
+            tally.stopped = "interrupted"
+        except BrokenPipeError:  # --results - or --unregistered - into a reader that left
+            tally.stopped = "the output was closed"
+            raise  # main() exits quietly
         finally:
             if isinstance(outcomes, _Outcomes):  # push_many's iterator: stop the sending
                 outcomes.close()
             progress.finish(tally.sent + tally.failed, tally.failed)
             tally.report(args.unregistered)
-    if tally.interrupted:
+    if tally.stopped:  # by Ctrl-C: a closed output raised BrokenPipeError on to main()
         return _EXIT_INTERRUPTED
     return _EXIT_FAILED if tally.failed else _EXIT_OK
 
@@ -3669,14 +3792,17 @@ def _cmd_send_many(args: argparse.Namespace) -> int:
 def _stops_the_run(outcome: Exception, sent: int) -> bool:
     """Whether a failure would fail every message after it too (credentials, project...).
 
-    A network failure counts only when nothing was sent yet: then FCM cannot be reached.
+    An outage counts only when nothing was sent yet: then FCM cannot be reached, or is
+    down, and the run is better tried again later than spent on failures.
     """
     if isinstance(outcome, NetworkError):
         return sent == 0 and not outcome.may_have_been_delivered
+    if _is_outage(outcome):
+        return sent == 0
     return _is_systemic(outcome) or _is_missing_project(outcome)
 
 
-def _cmd_topic(args: argparse.Namespace) -> int:
+def _cmd_topic(args: "argparse.Namespace") -> int:
     tokens = list(args.token or [])
     if args.tokens:
         with contextlib.ExitStack() as stack:
@@ -3684,6 +3810,9 @@ def _cmd_topic(args: argparse.Namespace) -> int:
     if not tokens:
         raise _Failure("no device tokens: give --tokens FILE or --token TOKEN")
     with _client(args) as client:
+        if _is_legacy(client):
+            raise _Failure("topic management needs the v1 API: give --credentials (or use "
+                           "Application Default Credentials) instead of a server key")
         _check_ready(client)
         manage = client.subscribe if args.subscribe else client.unsubscribe
         try:
@@ -3705,7 +3834,7 @@ def _cmd_topic(args: argparse.Namespace) -> int:
     return _EXIT_FAILED if failed else _EXIT_OK
 
 
-def _cmd_token(args: argparse.Namespace) -> int:
+def _cmd_token(args: "argparse.Namespace") -> int:
     with _client(args) as client:
         api = client._api
         if not isinstance(api, _V1API):
@@ -3715,7 +3844,7 @@ def _cmd_token(args: argparse.Namespace) -> int:
     return _EXIT_OK
 
 
-def _cmd_check(args: argparse.Namespace) -> int:
+def _cmd_check(args: "argparse.Namespace") -> int:
     with _client(args) as client:
         api = client._api
         if isinstance(api, _V1API):
@@ -3849,7 +3978,7 @@ class _Tally:
         self.sent = 0
         self.failures: Dict[str, int] = {}
         self.unregistered = 0
-        self.interrupted = False
+        self.stopped: Optional[str] = None  # why the run stopped early, if it did
         self._results = results
         self._unregistered_file = unregistered
         self._started = time.monotonic()
@@ -3859,18 +3988,20 @@ class _Tally:
         return sum(self.failures.values())
 
     def add(self, token: str, outcome: Outcome) -> None:
+        """Count the outcome, then write it: a write that fails (a closed pipe) leaves the
+        summary still true."""
         record = _record(token, outcome)
-        if self._results is not None:
-            self._results.write(json.dumps(record) + "\n")
+        code = record["error"]
         if record["ok"]:
             self.sent += 1
-            return
-        code = record["error"]
-        self.failures[code] = self.failures.get(code, 0) + 1
+        else:
+            self.failures[code] = self.failures.get(code, 0) + 1
         if code in _UNREGISTERED_CODES:
             self.unregistered += 1
-            if self._unregistered_file is not None:
-                self._unregistered_file.write(token + "\n")
+        if self._results is not None:
+            self._results.write(json.dumps(record) + "\n")
+        if code in _UNREGISTERED_CODES and self._unregistered_file is not None:
+            self._unregistered_file.write(token + "\n")
 
     def report(self, unregistered_path: Optional[str]) -> None:
         """The summary, on stderr."""
@@ -3879,8 +4010,8 @@ class _Tally:
             _say("%s unregistered tokens written to %s" % (
                 _number(self.unregistered), "stdout" if unregistered_path == "-"
                 else repr(unregistered_path)))
-        if self.interrupted:
-            _say("interrupted: the remaining tokens were not sent")
+        if self.stopped:
+            _say("%s: the remaining tokens were not sent" % self.stopped)
 
 
 def _summary(sent: int, failures: Dict[str, int], elapsed: float) -> str:

@@ -3190,16 +3190,20 @@ class ReadmeExamplesTest(unittest.TestCase):
                 file.write(TEST_CA_PEM)
             with open(os.path.join(directory, "tokens.txt"), "w") as file:
                 file.write("# test devices\ntoken-1\n\ntoken-2\n")
-            here = os.path.dirname(os.path.abspath(__file__))
-            for command in commands:
-                with self.subTest(command):
-                    argv = shlex.split(command)[1:] + ["--endpoint", server.endpoint,
-                                                       "--cafile", "ca.pem"]
-                    done = subprocess.run(
-                        [sys.executable, "-m", "andpush"] + argv, cwd=directory,
-                        env=dict(os.environ, PYTHONPATH=here), capture_output=True, text=True,
-                        timeout=60)
-                    self.assertEqual(done.returncode, 0, done.stderr)
+            cwd = os.getcwd()
+            os.chdir(directory)  # the examples name their files relative to it
+            try:
+                for command in commands:
+                    with self.subTest(command):
+                        argv = shlex.split(command)[1:] + ["--endpoint", server.endpoint,
+                                                           "--cafile", "ca.pem"]
+                        stderr = io.StringIO()
+                        with contextlib.redirect_stdout(io.StringIO()), \
+                                contextlib.redirect_stderr(stderr):
+                            status = andpush.main(argv)
+                        self.assertEqual(status, 0, stderr.getvalue())
+            finally:
+                os.chdir(cwd)
             self.assertEqual(server.errors, [])
 
 
@@ -3220,8 +3224,14 @@ def _closed_port() -> int:
 
 
 class CliTestCase(unittest.TestCase):
-    """Runs ``python -m andpush`` in a subprocess against a FakeGoogle, with a key file whose
-    token_uri points at the fake and a CA file for its certificate, in a temporary folder."""
+    """Runs the command line against a FakeGoogle, with a key file whose token_uri points at
+    the fake and a CA file for its certificate, in a temporary folder.
+
+    ``andpush()`` runs it in this process through ``andpush.main()``, as fast as a function
+    call; ``andpush_process()`` runs ``python -m andpush`` in a subprocess, for what only a
+    real process shows (the module's entry point, signals, pipes, the exit status itself).
+    Both see the same stripped environment.
+    """
 
     def setUp(self) -> None:
         self.server = FakeGoogle()
@@ -3256,15 +3266,33 @@ class CliTestCase(unittest.TestCase):
         env.update(variables)
         return env
 
-    def andpush(self, *args: str, stdin: str = "", server_key: str = "",
-                options: Optional[List[str]] = None) -> "subprocess.CompletedProcess[str]":
-        """Run andpush with ``args`` followed by ``options`` (default: self.options(), or
-        with ``server_key`` the legacy API's from ANDPUSH_SERVER_KEY)."""
+    def argv(self, args: Tuple[str, ...], server_key: str,
+             options: Optional[List[str]]) -> Tuple[List[str], Dict[str, str]]:
+        """The arguments and environment of a run: ``args`` followed by ``options``
+        (default: self.options(), or with ``server_key`` the legacy API's from
+        ANDPUSH_SERVER_KEY)."""
         if options is None:
             options = self.options(credentials=not server_key)
         env = self.environment(ANDPUSH_SERVER_KEY=server_key) if server_key else self.environment()
+        return [*args, *options], env
+
+    def andpush(self, *args: str, stdin: str = "", server_key: str = "",
+                options: Optional[List[str]] = None) -> "subprocess.CompletedProcess[str]":
+        """Run ``andpush.main()`` here, with stdin, stdout, stderr and os.environ replaced."""
+        argv, env = self.argv(args, server_key, options)
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with unittest.mock.patch.dict(os.environ, env, clear=True), \
+                unittest.mock.patch.object(sys, "stdin", io.StringIO(stdin)), \
+                contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            status = andpush.main(argv)
+        return subprocess.CompletedProcess(argv, status, stdout.getvalue(), stderr.getvalue())
+
+    def andpush_process(self, *args: str, stdin: str = "", server_key: str = "",
+                        options: Optional[List[str]] = None) -> "subprocess.CompletedProcess[str]":
+        """Run ``python -m andpush`` in a subprocess, as a user runs it."""
+        argv, env = self.argv(args, server_key, options)
         return subprocess.run(
-            [sys.executable, "-m", "andpush", *args, *options], input=stdin, cwd=_REPO,
+            [sys.executable, "-m", "andpush", *argv], input=stdin, cwd=_REPO,
             env=env, capture_output=True, text=True, timeout=_CLI_TIMEOUT,
         )
 
@@ -3288,10 +3316,23 @@ class CliTestCase(unittest.TestCase):
         """Answer every request under ``prefix`` with ``reply`` (no credentials checked)."""
         self.server.routes[(method, prefix)] = lambda request: reply
 
+    def retry_without_waiting(self) -> None:
+        """For the rest of the test, in-process runs retry at once: no backoff between the
+        attempts of a message or of a token request (their number is unchanged)."""
+        real_new = andpush.new
+
+        def new(*args: Any, **options: Any) -> andpush.Client:
+            return real_new(*args, backoff_factor=0.0, **options)
+
+        for patcher in (unittest.mock.patch.object(andpush, "new", new),
+                        unittest.mock.patch.object(andpush, "_TOKEN_BACKOFF", 0.0)):
+            patcher.start()
+            self.addCleanup(patcher.stop)
+
 
 class CliHelpTest(CliTestCase):
     def test_help_describes_the_tool_with_examples_and_exits_0(self) -> None:
-        result = self.andpush("--help", options=[])
+        result = self.andpush_process("--help", options=[])  # python -m andpush, for real
         self.assertExit(result, 0)
         for text in ("Firebase Cloud Messaging", "examples:", "andpush send-many --tokens",
                      "send-many", "subscribe", "unsubscribe", "token", "check",
@@ -3330,9 +3371,11 @@ class CliSendTest(CliTestCase):
         }, "validate_only": False})
 
     def test_global_options_may_come_before_the_command(self) -> None:
-        result = self.andpush(*self.options(), "send", "--topic", "news", options=[])
+        result = self.andpush(*self.options(), "send", "--topic", "news", "--body", "Hi",
+                              options=[])
         self.assertExit(result, 0)
-        self.assertEqual(self.server.requests[-1].json["message"], {"topic": "news"})
+        self.assertEqual(self.server.requests[-1].json["message"],
+                         {"topic": "news", "notification": {"body": "Hi"}})
 
     def test_a_message_from_stdin_takes_the_flags_and_may_be_validated_only(self) -> None:
         request = {"message": {"topic": "old", "data": {"kept": "yes"}}}
@@ -3353,7 +3396,8 @@ class CliSendTest(CliTestCase):
         self.assertEqual(result.stdout, "")
 
     def test_the_legacy_api_takes_its_server_key_from_the_environment(self) -> None:
-        result = self.andpush("send", "--token", TOKEN, "--title", "Hi", server_key=SERVER_KEY)
+        result = self.andpush_process("send", "--token", TOKEN, "--title", "Hi",
+                                      server_key=SERVER_KEY)
         self.assertExit(result, 0)
         self.assertEqual(json.loads(result.stdout)["success"], 1)
         request = self.server.requests[-1]
@@ -3361,7 +3405,7 @@ class CliSendTest(CliTestCase):
                          ("/fcm/send", "key=" + SERVER_KEY))
         self.assertEqual(request.json, {"to": TOKEN, "notification": {"title": "Hi"}})
         self.server.unregistered_tokens.add(TOKEN)
-        result = self.andpush("send", "--token", TOKEN, server_key=SERVER_KEY)
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi", server_key=SERVER_KEY)
         self.assertErrorLine(result, 1, "NotRegistered")
         self.assertEqual(json.loads(result.stdout)["failure"], 1)
         self.assertNotIn(SERVER_KEY, result.stdout + result.stderr)
@@ -3374,11 +3418,9 @@ class CliSendTest(CliTestCase):
             (["send", "--title", "Hi"], None, "no target"),
             (["send", "--token", TOKEN, "--topic", "news"], None, "not allowed with"),
             (["send", "--token", TOKEN, "--message", missing], None, "cannot read --message"),
-            (["send", "--token", TOKEN, "--credentials", missing], self.options(False),
-             "cannot read credentials file"),
-            (["send", "--token", TOKEN, "--server-key", SERVER_KEY], None,
+            (["send", "--token", TOKEN, "--title", "Hi", "--server-key", SERVER_KEY], None,
              "--credentials or --server-key"),
-            (["send", "--token", TOKEN, "--cafile", missing],
+            (["send", "--token", TOKEN, "--title", "Hi", "--cafile", missing],
              ["--credentials", self.key_file, "--endpoint", self.server.endpoint],
              "cannot use --cafile"),
             (["send", "--token", TOKEN, "--timeout", "-1"], None, "expected a positive number"),
@@ -3412,6 +3454,7 @@ class CliSendManyTest(CliTestCase):
             "t7": [fcm_error(503, "UNAVAILABLE")],  # succeeds when retried
         }
         self.server.by_token.update(faults)
+        self.retry_without_waiting()
         result = self.andpush("send-many", "--tokens", self.write("tokens.txt", "\n".join(tokens)),
                               "--body", "Hello", "--concurrency", "4",
                               "--results", os.path.join(self.folder, "results.jsonl"),
@@ -3449,9 +3492,11 @@ class CliSendManyTest(CliTestCase):
         self.assertIn("sent 2 of 3 messages, 1 failed (1 NotRegistered)", result.stderr)
 
     def test_a_missing_or_undecodable_tokens_file_is_an_error_line_and_exit_2(self) -> None:
-        result = self.andpush("send-many", "--tokens", os.path.join(self.folder, "none.txt"))
+        result = self.andpush("send-many", "--tokens", os.path.join(self.folder, "none.txt"),
+                              "--title", "Hi")
         self.assertErrorLine(result, 2, "cannot read the tokens file", "No such file")
-        result = self.andpush("send-many", "--tokens", self.write("bad.txt", b"\xff\xfe\n"))
+        result = self.andpush("send-many", "--tokens", self.write("bad.txt", b"\xff\xfe\n"),
+                              "--title", "Hi")
         self.assertExit(result, 2)
         self.assertIn("cannot read the tokens file", result.stderr.splitlines()[-1])
         self.assertFalse(tokens_sent(self.server))
@@ -3459,9 +3504,9 @@ class CliSendManyTest(CliTestCase):
     def test_refused_credentials_stop_it_before_any_message(self) -> None:
         key = self.write("other.json", json.dumps(
             service_account_info(self.server, TEST_OTHER_RSA_KEY_PEM)))
-        result = self.andpush("send-many", "--tokens", "-", stdin="a\nb\n",
+        result = self.andpush("send-many", "--tokens", "-", "--title", "Hi", stdin="a\nb\n",
                               options=["--credentials", key] + self.options(False))
-        self.assertErrorLine(result, 2, "credentials problem", "Invalid JWT Signature")
+        self.assertErrorLine(result, 77, "credentials problem", "Invalid JWT Signature")
         self.assertFalse(tokens_sent(self.server))
 
     def test_a_wrong_project_stops_the_run_at_its_first_answer(self) -> None:
@@ -3469,8 +3514,8 @@ class CliSendManyTest(CliTestCase):
                                                           "not found."))
         tokens = self.write("tokens.txt", "".join("t%d\n" % i for i in range(1000)))
         result = self.andpush("send-many", "--tokens", tokens, "--project-id", "nope",
-                              "--concurrency", "2")
-        self.assertExit(result, 2)
+                              "--concurrency", "2", "--title", "Hi")
+        self.assertExit(result, 77)
         self.assertIn("check the project id", result.stderr.splitlines()[-1])
         self.assertIn("sent 0 of 1 messages", result.stderr)
         self.assertLess(self.server.processed, 100)
@@ -3487,7 +3532,7 @@ class CliSendManyTest(CliTestCase):
         results = os.path.join(self.folder, "results.jsonl")
         process = subprocess.Popen(
             [sys.executable, "-m", "andpush", "send-many", "--tokens", tokens, "--results",
-             results, "--concurrency", "2", *self.options()],
+             results, "--concurrency", "2", "--title", "Hi", *self.options()],
             cwd=_REPO, env=self.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
             # Python turns SIGINT into KeyboardInterrupt only when it is not ignored.
@@ -3576,26 +3621,254 @@ class CliCheckTest(CliTestCase):
                       result.stdout)
         self.assertIn("no longer valid", result.stderr)
 
-    def test_each_kind_of_problem_is_explained_with_exit_2(self) -> None:
+    def test_each_kind_of_problem_is_explained_with_its_exit_status(self) -> None:
         refused_key = self.write("refused.json", json.dumps(
             service_account_info(self.server, TEST_OTHER_RSA_KEY_PEM)))
         unreachable = dict(service_account_info(self.server),
                            token_uri="https://127.0.0.1:%d/token" % _closed_port())
         unreachable_key = self.write("unreachable.json", json.dumps(unreachable))
+        self.retry_without_waiting()
         self.route("POST", "/v1/projects/nope/", fcm_error(404, None))
         self.route("POST", "/v1/projects/locked/", fcm_error(403, None, "Permission denied"))
         table = [
-            # the options that cause the problem, what the error line says
-            (["--credentials", refused_key], "credentials problem"),
-            (["--credentials", unreachable_key], "network problem: could not connect"),
-            (["--project-id", "nope"], "check the project id"),
-            (["--project-id", "locked"], "cloudmessaging.messages.create"),
+            # the options that cause the problem, the exit status, what the error line says
+            (["--credentials", refused_key], 77, "credentials problem"),
+            (["--credentials", unreachable_key], 75, "try again later: could not connect"),
+            (["--project-id", "nope"], 77, "check the project id"),
+            (["--project-id", "locked"], 77, "cloudmessaging.messages.create"),
         ]
-        for options, explanation in table:
+        for options, status, explanation in table:
             with self.subTest(explanation):
                 result = self.andpush("check", options=self.options() + options)
-                self.assertErrorLine(result, 2, explanation)
+                self.assertErrorLine(result, status, explanation)
                 self.assertNotIn("The credentials and project work", result.stdout)
+
+
+class CliExitStatusTest(CliTestCase):
+    """A script can tell "fix the command" (2) from "fix the credentials" (77) from "try
+    later" (75) from "FCM refused some messages" (1)."""
+
+    def test_real_processes_exit_2_for_usage_77_for_credentials_75_for_an_outage(self) -> None:
+        refused_key = self.write("refused.json", json.dumps(
+            service_account_info(self.server, TEST_OTHER_RSA_KEY_PEM)))
+        closed = "https://127.0.0.1:%d" % _closed_port()
+        table = [
+            # the arguments, the exit status, what the error line says
+            (["sendd", *self.options()], 2, "invalid choice"),
+            (["send", "--token", TOKEN, "--title", "Hi", "--credentials", refused_key,
+              *self.options(False)], 77, "credentials problem"),
+            (["send", "--token", TOKEN, "--title", "Hi", "--max-retries", "0",
+              *self.options(), "--endpoint", closed], 75, "try again later"),
+        ]
+        for args, status, explanation in table:
+            with self.subTest(status=status):
+                result = self.andpush_process(*args, options=[])
+                self.assertErrorLine(result, status, explanation)
+        self.assertFalse(tokens_sent(self.server))
+
+    def test_fcm_refusing_the_sender_itself_exits_77_the_apns_key_or_a_token_1(self) -> None:
+        table = [
+            # what FCM answers (twice: a refused access token is renewed once), exit status,
+            # what the error line says
+            (fcm_error(401, None, "Request had invalid authentication credentials."), 77,
+             "FCM refused the credentials"),
+            (fcm_error(403, None, "Permission 'cloudmessaging.messages.create' denied"), 77,
+             "permission denied"),
+            (fcm_error(401, "THIRD_PARTY_AUTH_ERROR"), 1, "APNs certificate"),
+            (fcm_error(403, "SENDER_ID_MISMATCH"), 1, "another Firebase project"),
+        ]
+        for answer, status, explanation in table:
+            with self.subTest(explanation):
+                self.server.by_token[TOKEN] = [answer, answer]
+                result = self.andpush("send", "--token", TOKEN, "--title", "Hi")
+                self.assertErrorLine(result, status, explanation)
+
+    def test_missing_or_unreadable_credentials_exit_77(self) -> None:
+        self.retry_without_waiting()  # the metadata server's port is closed: no waits for it
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi",
+                              options=self.options(False))
+        self.assertErrorLine(result, 77, "no Google credentials found", "metadata server")
+        missing = os.path.join(self.folder, "missing.json")
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi",
+                              options=["--credentials", missing] + self.options(False))
+        self.assertErrorLine(result, 77, "cannot read credentials file")
+
+    def test_fcm_unavailable_exits_75_to_try_again_later(self) -> None:
+        self.server.by_token[TOKEN] = [fcm_error(503, "UNAVAILABLE")]
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi", "--max-retries", "0")
+        self.assertErrorLine(result, 75, "try again later", "UNAVAILABLE")
+
+    def test_send_many_stops_with_75_when_its_first_answers_are_an_outage(self) -> None:
+        self.server.by_token["t0"] = [fcm_error(503, "UNAVAILABLE")]
+        tokens = self.write("tokens.txt", "".join("t%d\n" % i for i in range(1000)))
+        result = self.andpush("send-many", "--tokens", tokens, "--title", "Hi",
+                              "--concurrency", "2", "--max-retries", "0")
+        self.assertExit(result, 75)
+        self.assertIn("try again later", result.stderr.splitlines()[-1])
+        self.assertIn("sent 0 of 1 messages, 1 failed (1 UNAVAILABLE)", result.stderr)
+        self.assertLess(self.server.processed, 100)
+
+
+    def test_the_readme_and_help_list_the_same_exit_statuses_as_the_code(self) -> None:
+        with open(os.path.join(_REPO, "README.md")) as file:
+            readme = set(re.findall(r"^\| (\d+) \|", file.read(), re.MULTILINE))
+        result = self.andpush("--help", options=[])
+        epilog = set(re.findall(r"^  (\d+) ", result.stdout.partition("exit status:")[2],
+                                re.MULTILINE))
+        code = {str(value) for name, value in vars(andpush).items() if name.startswith("_EXIT_")}
+        self.assertEqual((readme, epilog), (code, code))
+
+
+class CliMaxRetriesTest(CliTestCase):
+    def test_max_retries_is_how_often_a_send_that_may_work_later_is_sent_again(self) -> None:
+        self.retry_without_waiting()
+        for retries, outcome in ((0, 75), (1, 75), (2, 0)):
+            with self.subTest(retries=retries):
+                self.server.by_token[TOKEN] = [fcm_error(503, "UNAVAILABLE")] * 2
+                before = len(tokens_sent(self.server))
+                result = self.andpush("send", "--token", TOKEN, "--title", "Hi",
+                                      "--max-retries", str(retries))
+                self.assertExit(result, outcome)
+                self.assertEqual(len(tokens_sent(self.server)) - before, min(retries + 1, 3))
+
+    def test_zero_reports_a_refused_connection_at_once(self) -> None:
+        options = self.options() + ["--endpoint", "https://127.0.0.1:%d" % _closed_port()]
+        started = time.monotonic()
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi", "--max-retries", "0",
+                              options=options)
+        # The three default retries wait 1.75 s at the very least; a refusal takes a moment.
+        self.assertLess(time.monotonic() - started, 1.5)
+        self.assertErrorLine(result, 75, "could not connect")
+
+    def test_a_negative_number_is_a_usage_error(self) -> None:
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi", "--max-retries", "-1")
+        self.assertErrorLine(result, 2, "--max-retries", "expected a whole number")
+
+
+class CliEmptyMessageTest(CliTestCase):
+    def test_a_message_without_content_is_refused_naming_the_options_to_use(self) -> None:
+        target_only = self.write("message.json", json.dumps({"topic": "news"}))
+        tokens = self.write("tokens.txt", "a\nb\n")
+        for args in (["send", "--token", TOKEN], ["send", "--message", target_only],
+                     ["send-many", "--tokens", tokens]):
+            with self.subTest(args[0]):
+                self.assertErrorLine(self.andpush(*args), 2, "no content", "--title", "--body",
+                                     "--data", "--message", "--allow-empty")
+        self.assertEqual(self.server.requests, [])  # refused before any I/O: not even a token
+
+    def test_allow_empty_sends_it(self) -> None:
+        result = self.andpush("send", "--token", TOKEN, "--allow-empty")
+        self.assertExit(result, 0)
+        self.assertEqual(self.server.requests[-1].json["message"], {"token": TOKEN})
+        result = self.andpush("send-many", "--tokens", "-", "--allow-empty", stdin="a\nb\n")
+        self.assertExit(result, 0)
+        self.assertEqual(sorted(tokens_sent(self.server)), sorted([TOKEN, "a", "b"]))
+        self.assertEqual(self.server.requests[-1].json["message"].keys(), {"token"})
+
+
+class CliClosedOutputTest(CliTestCase):
+    @unittest.skipIf(os.name != "posix", "pipes and SIGPIPE are POSIX")
+    def test_results_piped_into_a_reader_that_leaves_stop_quietly_with_141(self) -> None:
+        tokens = self.write("tokens.txt", "".join("t%d\n" % i for i in range(3000)))
+        argv, env = self.argv(("send-many", "--tokens", tokens, "--results", "-", "--title",
+                               "Hi", "--quiet"), "", None)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "andpush", *argv], cwd=_REPO, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self.addCleanup(process.kill)
+        assert process.stdout is not None and process.stderr is not None
+        first = json.loads(process.stdout.readline())  # as `| head -n 1` reads, then leaves
+        process.stdout.close()
+        stderr = process.communicate(timeout=_CLI_TIMEOUT)[1]
+        self.assertEqual(first["token"], "t0")
+        self.assertEqual(process.returncode, 141, stderr)
+        self.assertNotIn("Traceback", stderr)
+        self.assertNotIn("Exception ignored", stderr)
+        self.assertIn("the output was closed: the remaining tokens were not sent", stderr)
+        self.assertLess(len(tokens_sent(self.server)), 3000)
+
+
+class CliOptionNamesTest(CliTestCase):
+    """Errors name the command line's options and variables, not the library's arguments."""
+
+    def test_no_credentials_says_to_pass_the_option(self) -> None:
+        self.retry_without_waiting()
+        result = self.andpush("token", options=self.options(False))
+        line = self.assertErrorLine(result, 77, "Pass --credentials or set "
+                                    "GOOGLE_APPLICATION_CREDENTIALS")
+        self.assertNotIn("credentials=", line)
+
+    def test_bad_option_values_are_named_by_their_option_or_variable(self) -> None:
+        no_project = dict(service_account_info(self.server))
+        del no_project["project_id"]
+        no_project_key = self.write("no-project.json", json.dumps(no_project))
+        table: List[Tuple[List[str], str, int, str]] = [
+            # the options, ANDPUSH_SERVER_KEY, the exit status, what the error line says
+            (["--endpoint", "http://127.0.0.1"], "", 2, "--endpoint must use https://"),
+            (["--project-id", ""], "", 2, "--project-id must be"),
+            (["--server-key", " "], "", 2, "--server-key is empty"),
+            ([], "key\nmore", 2, "ANDPUSH_SERVER_KEY contains a line break"),
+            (["--credentials", no_project_key], "", 77,
+             "pass --project-id or set GOOGLE_CLOUD_PROJECT"),
+        ]
+        for options, server_key, status, message in table:
+            with self.subTest(message):
+                result = self.andpush("send", "--token", TOKEN, "--title", "Hi",
+                                      server_key=server_key,
+                                      options=["--cafile", self.ca_file, "--endpoint",
+                                               self.server.endpoint, *options])
+                line = self.assertErrorLine(result, status, message)
+                self.assertNotRegex(line, r"\b[a-z_]+=")
+
+    def test_topics_with_a_server_key_say_which_option_to_give(self) -> None:
+        result = self.andpush("subscribe", "--topic", "news", "--token", "a",
+                              server_key=SERVER_KEY)
+        self.assertErrorLine(result, 2, "needs the v1 API: give --credentials")
+
+    def test_a_library_argument_with_a_value_becomes_the_option_with_that_value(self) -> None:
+        self.assertEqual(andpush._in_option_terms('set NO_PROXY, or pass proxy="" for none'),
+                         'set NO_PROXY, or pass --proxy "" for none')
+        self.assertEqual(andpush._in_option_terms("needs project_id="), "needs --project-id")
+
+
+class CliProxyTest(CliTestCase):
+    def test_proxy_tunnels_every_connection_through_it(self) -> None:
+        with ConnectProxy() as proxy:
+            result = self.andpush("send", "--token", TOKEN, "--title", "Hi",
+                                  "--proxy", "http://127.0.0.1:%d" % proxy.port)
+        self.assertExit(result, 0)
+        self.assertEqual(set(proxy.targets), {"127.0.0.1:%d" % self.server.port})
+        self.assertEqual(len(proxy.targets), 2)  # the token endpoint, then FCM
+
+    def test_an_empty_proxy_asks_the_library_for_none_whatever_the_environment(self) -> None:
+        # The library takes proxy="" as "no proxy: ignore HTTPS_PROXY"; this is the handover.
+        real_new = andpush.new
+        given: List[Optional[str]] = []
+
+        def new(*args: Any, **options: Any) -> andpush.Client:
+            given.append(options.get("proxy"))
+            return real_new(*args, **options)
+
+        with unittest.mock.patch.object(andpush, "new", new):
+            self.assertExit(self.andpush("send", "--token", TOKEN, "--title", "Hi",
+                                         "--proxy", ""), 0)
+            self.assertExit(self.andpush("send", "--token", TOKEN, "--title", "Hi"), 0)
+        self.assertEqual(given, ["", None])  # None: the environment's, if any
+
+    def test_a_proxy_that_is_not_http_is_a_usage_error(self) -> None:
+        result = self.andpush("send", "--token", TOKEN, "--title", "Hi",
+                              "--proxy", "socks5://127.0.0.1:1080")
+        self.assertErrorLine(result, 2, "--proxy must look like http://")
+
+
+class CliImportTest(unittest.TestCase):
+    def test_importing_the_library_does_not_import_argparse(self) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys, andpush; print('argparse' in sys.modules)"],
+            cwd=_REPO, capture_output=True, text=True, timeout=_CLI_TIMEOUT,
+        )
+        self.assertEqual((done.stdout, done.stderr), ("False\n", ""))
 
 
 class CliProgressTest(unittest.TestCase):
