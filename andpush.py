@@ -44,7 +44,6 @@ import base64
 import binascii
 import collections
 import contextlib
-import email.utils
 import heapq
 import hashlib
 import http.client
@@ -229,20 +228,92 @@ def _describe(response: "Response", error_code: Optional[str]) -> str:
     return text
 
 
+# RFC 9110 section 5.6.7: the three HTTP-date forms a recipient must accept.
+_DAY_NAME = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
+_LONG_DAY_NAME = r"(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)"
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_MONTH = r"(?P<month>%s)" % "|".join(_MONTHS)
+_CLOCK = r"(?P<hour>[0-9]{2}):(?P<minute>[0-9]{2}):(?P<second>[0-9]{2})"
+_HTTP_DATES = tuple(re.compile(pattern, re.ASCII) for pattern in (
+    # IMF-fixdate: Sun, 06 Nov 1994 08:49:37 GMT
+    r"%s, (?P<day>[0-9]{2}) %s (?P<year>[0-9]{4}) %s GMT\Z" % (_DAY_NAME, _MONTH, _CLOCK),
+    # obsolete RFC 850: Sunday, 06-Nov-94 08:49:37 GMT
+    r"%s, (?P<day>[0-9]{2})-%s-(?P<year>[0-9]{2}) %s GMT\Z" % (_LONG_DAY_NAME, _MONTH, _CLOCK),
+    # asctime: Sun Nov  6 08:49:37 1994
+    r"%s %s (?P<day>[ 0-9][0-9]) %s (?P<year>[0-9]{4})\Z" % (_DAY_NAME, _MONTH, _CLOCK),
+))
+_DELTA_SECONDS = re.compile(r"[0-9]+\Z", re.ASCII)
+# RFC 9111 section 1.2.2: a delta-seconds too big to hold counts as 2^31.
+_MAX_DELTA_SECONDS = 2 ** 31
+_DAYS_BEFORE_MONTH = (0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334)
+_SECONDS_PER_DAY = 86400
+_EPOCH_YEAR = 1970
+# RFC 9110: a two-digit year more than 50 years ahead is taken as the latest past one.
+_TWO_DIGIT_YEAR_HORIZON = 50
+
+
 def _retry_after(value: Optional[str]) -> Optional[float]:
-    """Seconds from a Retry-After header in either form (seconds or HTTP date), or None."""
+    """Seconds from a Retry-After header (delta-seconds or any HTTP-date form), or None.
+
+    Only ASCII digits count as digits, and anything malformed is treated as absent, so
+    no header value can raise. Dates are parsed here rather than with email.utils, which
+    ignores the asctime form and costs milliseconds to import.
+    """
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    if _DELTA_SECONDS.match(value):
+        return float(min(float(value), _MAX_DELTA_SECONDS))
+    when = _http_date(value)
+    return None if when is None else max(0.0, when - time.time())
+
+
+def _http_date(value: str) -> Optional[float]:
+    """The Unix time an HTTP-date stands for, or None if it is not one or not a real date."""
+    for form in _HTTP_DATES:
+        match = form.match(value)
+        if match:
+            break
+    else:
         return None
-    if when is None or when.tzinfo is None:
+    year, day = int(match["year"]), int(match["day"])
+    month = _MONTHS.index(match["month"]) + 1
+    hour, minute, second = int(match["hour"]), int(match["minute"]), int(match["second"])
+    if len(match["year"]) == 2:
+        year = _full_year(year)
+    if not (1 <= day <= _days_in_month(year, month) and hour < 24 and minute < 60
+            and second < 61):  # 60: a leap second
         return None
-    return max(0.0, when.timestamp() - time.time())
+    days = _days_since_epoch(year, month, day)
+    return float(days * _SECONDS_PER_DAY + hour * 3600 + minute * 60 + second)
+
+
+def _full_year(two_digits: int) -> int:
+    """The year a two-digit RFC 850 year stands for, as RFC 9110 section 5.6.7 says."""
+    this_year = time.gmtime().tm_year
+    year = this_year - this_year % 100 + two_digits
+    return year - 100 if year > this_year + _TWO_DIGIT_YEAR_HORIZON else year
+
+
+def _is_leap(year: int) -> bool:
+    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+
+
+def _days_in_month(year: int, month: int) -> int:
+    if month == 2:
+        return 29 if _is_leap(year) else 28
+    return 30 if month in (4, 6, 9, 11) else 31
+
+
+def _days_since_epoch(year: int, month: int, day: int) -> int:
+    """Days from 1970-01-01 to a (proleptic Gregorian) date; negative before it."""
+    def leap_days_through(y: int) -> int:
+        return y // 4 - y // 100 + y // 400
+
+    leap_days = leap_days_through(year - 1) - leap_days_through(_EPOCH_YEAR - 1)
+    leap_day = 1 if month > 2 and _is_leap(year) else 0
+    day_of_year = _DAYS_BEFORE_MONTH[month - 1] + leap_day + day - 1
+    return (year - _EPOCH_YEAR) * 365 + leap_days + day_of_year
 
 
 # Responses ###################################################################

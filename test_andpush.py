@@ -1152,6 +1152,45 @@ class RetryAfterTest(unittest.TestCase):
         earlier = email.utils.formatdate(time.time() - 30, usegmt=True)
         self.assertEqual(andpush._retry_after(earlier), 0.0)
 
+    def test_all_three_rfc_9110_date_forms_give_the_same_time(self) -> None:
+        later = time.gmtime(int(time.time()) + 30)
+        forms = [
+            time.strftime("%a, %d %b %Y %H:%M:%S GMT", later),   # IMF-fixdate
+            time.strftime("%A, %d-%b-%y %H:%M:%S GMT", later),   # obsolete RFC 850
+            time.strftime("%a %b ", later) + "%2d" % later.tm_mday
+            + time.strftime(" %H:%M:%S %Y", later),               # asctime
+        ]
+        for form in forms:
+            with self.subTest(form):
+                self.assertAlmostEqual(andpush._retry_after(form) or 0, 30, delta=2)
+
+    def test_known_dates_in_each_form(self) -> None:
+        rfc_example = 784111777  # Sun, 06 Nov 1994 08:49:37 GMT, RFC 9110's example
+        for form in ("Sun, 06 Nov 1994 08:49:37 GMT", "Sunday, 06-Nov-94 08:49:37 GMT",
+                     "Sun Nov  6 08:49:37 1994"):
+            with self.subTest(form):
+                self.assertEqual(andpush._http_date(form), rfc_example)
+        self.assertEqual(andpush._http_date("Tue, 29 Feb 2000 00:00:00 GMT"), 951782400)
+        self.assertEqual(andpush._http_date("Fri, 31 Dec 9999 23:59:59 GMT"), 253402300799)
+
+    def test_a_two_digit_year_more_than_50_years_ahead_is_in_the_past(self) -> None:
+        this_year = time.gmtime().tm_year
+        ahead = (this_year + 60) % 100
+        when = andpush._http_date("Monday, 01-Jan-%02d 00:00:00 GMT" % ahead)
+        self.assertEqual(time.gmtime(when).tm_year, this_year + 60 - 100)
+
+    def test_what_is_not_an_ascii_number_or_a_real_date_is_absent(self) -> None:
+        for value in ["\u00b2", "1\u00b2", "\u0663", "-5", "1.5", "12 0", "120, 120", "",
+                      "Sun, 31 Feb 1994 08:49:37 GMT", "Sun, 06 Nov 1994 24:00:00 GMT",
+                      "Sun, 06 Nov 1994 08:49:37 +0000", "Sun, \u00b206 Nov 1994 08:49:37 GMT",
+                      "Sun Nov  6 08:49:37 \u0661\u0669\u0669\u0664", "Sun, 06 Nov 1994"]:
+            with self.subTest(value):
+                self.assertIsNone(andpush._retry_after(value))
+
+    def test_a_huge_delta_seconds_counts_as_2_to_the_31(self) -> None:
+        self.assertEqual(andpush._retry_after("9" * 5000), 2.0 ** 31)
+        self.assertEqual(andpush._retry_after("0000000000005"), 5.0)
+
     def test_http_error_carries_retry_after(self) -> None:
         error = andpush._http_error(response(503, b"", retry_after="7"))
         self.assertEqual(error.retry_after, 7.0)
