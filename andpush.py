@@ -183,6 +183,16 @@ _ERRORS_BY_STATUS: Dict[int, Type[HTTPError]] = {
 }
 
 
+_FCM_ERROR_TYPE = "type.googleapis.com/google.firebase.fcm.v1.FcmError"
+# The google.rpc.Code names a v1 error's "status" may hold.
+_CANONICAL_STATUSES = frozenset((
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+    "UNAVAILABLE", "DATA_LOSS",
+))
+
+
 def _http_error(response: "Response") -> HTTPError:
     """Map a non-2xx response to the most specific exception class."""
     code = _error_code(response)
@@ -207,14 +217,21 @@ def _error_envelope(response: "Response") -> Dict[str, Any]:
 
 
 def _error_code(response: "Response") -> Optional[str]:
-    """The FCM error code: ``details[].errorCode`` when present, else the v1 status."""
+    """The FCM error code: the FcmError detail's ``errorCode``, else the v1 status.
+
+    As firebase-admin does, a code counts only from a detail typed as an FcmError, and a
+    status only when it is one of Google's canonical codes: a gateway's 404 carrying
+    ``{"errorCode": "UNREGISTERED"}`` elsewhere must not make the caller delete the token.
+    """
     envelope = _error_envelope(response)
     details = envelope.get("details")
     for detail in details if isinstance(details, list) else ():
-        if isinstance(detail, dict) and isinstance(detail.get("errorCode"), str):
-            return str(detail["errorCode"])
+        if isinstance(detail, dict) and detail.get("@type") == _FCM_ERROR_TYPE:
+            code = detail.get("errorCode")
+            if isinstance(code, str):
+                return code
     status = envelope.get("status")
-    return status if isinstance(status, str) else None
+    return status if isinstance(status, str) and status in _CANONICAL_STATUSES else None
 
 
 def _describe(response: "Response", error_code: Optional[str]) -> str:

@@ -1137,6 +1137,30 @@ class ErrorClassificationTest(unittest.TestCase):
         self.assertIs(type(error), andpush.ClientError)
         self.assertEqual(error.error_code, "NOT_FOUND")
 
+    def test_a_code_counts_only_from_the_fcm_error_detail(self) -> None:
+        fcm_type = "type.googleapis.com/google.firebase.fcm.v1.FcmError"
+        def answer(details: Any, status: Any = "NOT_FOUND") -> andpush.HTTPError:
+            body = {"error": {"code": 404, "message": "x", "status": status, "details": details}}
+            return andpush._http_error(response(404, body))
+        untyped = answer([{"errorCode": "UNREGISTERED"}])
+        self.assertIs(type(untyped), andpush.ClientError)
+        self.assertEqual(untyped.error_code, "NOT_FOUND")
+        other = answer([{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                         "errorCode": "UNREGISTERED", "reason": "UNREGISTERED"}])
+        self.assertIs(type(other), andpush.ClientError)
+        after_others = answer([{"@type": "type.googleapis.com/google.rpc.BadRequest"},
+                               {"@type": fcm_type, "errorCode": "UNREGISTERED"}])
+        self.assertIs(type(after_others), andpush.UnregisteredError)
+        self.assertEqual(after_others.error_code, "UNREGISTERED")
+
+    def test_a_status_counts_only_when_it_is_a_canonical_code(self) -> None:
+        for status in ["UNREGISTERED", ["NOT_FOUND"], {"a": 1}, 404, None]:
+            with self.subTest(status=status):
+                body = {"error": {"code": 404, "message": "x", "status": status}}
+                error = andpush._http_error(response(404, body))
+                self.assertIs(type(error), andpush.ClientError)
+                self.assertIsNone(error.error_code)
+
     def test_message_says_status_code_and_server_explanation(self) -> None:
         error = andpush._http_error(response(404, fcm_error(404, "UNREGISTERED", "gone").json))
         self.assertEqual(str(error), "HTTP 404 Reason (UNREGISTERED): gone")
