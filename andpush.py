@@ -97,7 +97,24 @@ _USER_AGENT = "andpush/" + __version__
 # What can go wrong, as one tree of exceptions that carry what a caller needs.
 
 class Error(Exception):
-    """Base class of every error andpush raises on purpose."""
+    """Base class of every error andpush raises on purpose.
+
+    Every andpush error survives ``pickle`` and ``copy`` with its class, message and
+    attributes (an HTTPError's ``response`` travels with it), so it can cross a process
+    pool or be stored by a result backend.
+    """
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """Rebuild without calling ``__init__``, whose arguments are not kept in ``args``."""
+        return _rebuild_error, (type(self), self.args, self.__dict__)
+
+
+def _rebuild_error(cls: Type[Error], args: Tuple[Any, ...], state: Dict[str, Any]) -> Error:
+    """The unpickled twin of an error: same class, args and attributes."""
+    error = cls.__new__(cls, *args)
+    error.args = args  # OSError.__new__ leaves args to an __init__ that is not called here
+    error.__dict__.update(state)
+    return error
 
 
 class NetworkError(Error, OSError):
@@ -117,7 +134,10 @@ class AuthError(Error):
 
 
 class HTTPError(Error):
-    """The server answered with a status outside 2xx; ``response`` holds the answer."""
+    """The server answered with a status outside 2xx; ``response`` holds the answer.
+
+    The response (status, reason, headers, body) is plain data and is pickled with the error.
+    """
 
     def __init__(self, response: "Response") -> None:
         self.response = response
@@ -359,6 +379,9 @@ class Headers(Mapping[str, str]):
     def __repr__(self) -> str:
         return "Headers(%r)" % (self._items,)
 
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return Headers, (self._items,)
+
 
 class Response:
     """A 2xx answer from FCM (error answers raise HTTPError and hang off it)."""
@@ -408,6 +431,15 @@ class Response:
 
     def __repr__(self) -> str:
         return "<Response [%d]>" % self.status_code
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Plain data for pickle and copy; the parsed JSON is left to be parsed again."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != "_json"}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._json = _UNPARSED
 
 
 _UNPARSED = object()

@@ -8,14 +8,18 @@ the server processed.
 
 import base64
 import collections
+import concurrent.futures
 import contextlib
+import copy
 import datetime
 import email.utils
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import pathlib
+import pickle
 import random
 import re
 import selectors
@@ -1218,6 +1222,78 @@ class RetryAfterTest(unittest.TestCase):
     def test_http_error_carries_retry_after(self) -> None:
         error = andpush._http_error(response(503, b"", retry_after="7"))
         self.assertEqual(error.retry_after, 7.0)
+
+
+def every_public_error() -> List[andpush.Error]:
+    """One instance of each public exception class, with every attribute set."""
+    errors: List[andpush.Error] = []
+    for name in andpush.__all__:
+        cls = getattr(andpush, name)
+        if not (isinstance(cls, type) and issubclass(cls, andpush.Error)):
+            continue
+        if issubclass(cls, andpush.HTTPError):
+            answer = fcm_error(429, "QUOTA_EXCEEDED", "slow down", retry_after="7")
+            errors.append(cls(response(429, answer.json, retry_after="7")))
+        elif issubclass(cls, andpush.NetworkError):
+            errors.append(cls("connection reset", may_have_been_delivered=True))
+            errors.append(cls("refused", may_have_been_delivered=False))
+        else:
+            errors.append(cls("no credentials"))
+    return errors
+
+
+def raise_unregistered_error() -> None:
+    """Run in a worker process: fail the way a push to a deleted token fails."""
+    raise andpush._http_error(response(404, fcm_error(404, "UNREGISTERED").json))
+
+
+class ErrorCopyTest(unittest.TestCase):
+    """Errors cross process pools and result backends: pickle and copy keep all they say."""
+
+    def assertSameError(self, copied: BaseException, original: andpush.Error) -> None:
+        self.assertIs(type(copied), type(original))
+        self.assertEqual(str(copied), str(original))
+        self.assertEqual(copied.args, original.args)
+        for name in ("status_code", "error_code", "retry_after", "may_have_been_delivered"):
+            self.assertEqual(getattr(copied, name, None), getattr(original, name, None), name)
+        if isinstance(original, andpush.HTTPError):
+            assert isinstance(copied, andpush.HTTPError)
+            self.assertEqual(copied.response.status_code, original.response.status_code)
+            self.assertEqual(copied.response.reason, original.response.reason)
+            self.assertEqual(dict(copied.response.headers), dict(original.response.headers))
+            self.assertEqual(copied.response.body, original.response.body)
+            self.assertEqual(copied.response.json, original.response.json)
+
+    def test_every_public_error_survives_pickle_in_every_protocol(self) -> None:
+        for error in every_public_error():
+            for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+                with self.subTest(type(error).__name__, protocol=protocol):
+                    self.assertSameError(pickle.loads(pickle.dumps(error, protocol)), error)
+
+    def test_every_public_error_survives_copy_and_deepcopy(self) -> None:
+        for error in every_public_error():
+            with self.subTest(type(error).__name__):
+                self.assertSameError(copy.copy(error), error)
+                self.assertSameError(copy.deepcopy(error), error)
+
+    def test_a_response_pickles_as_plain_data_and_parses_its_json_again(self) -> None:
+        original = response(200, {"results": [{"error": "NotRegistered"}]}, x_id="1")
+        original._tokens = ("device-a",)
+        self.assertEqual(original.errors, {"device-a": "NotRegistered"})  # parsed once here
+        copied = pickle.loads(pickle.dumps(original))
+        self.assertEqual(copied.json, original.json)
+        self.assertEqual(copied.errors, {"device-a": "NotRegistered"})
+        self.assertEqual(copied.headers["X-Id"], "1")
+
+    def test_an_error_raised_in_a_process_pool_worker_reaches_the_caller(self) -> None:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else None)
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            future = pool.submit(raise_unregistered_error)
+            with self.assertRaises(andpush.UnregisteredError) as caught:
+                future.result(timeout=10)
+        self.assertEqual(caught.exception.status_code, 404)
+        self.assertEqual(caught.exception.error_code, "UNREGISTERED")
 
 
 class RetryPolicyTest(unittest.TestCase):
