@@ -724,7 +724,8 @@ class _TokenGrant(_Credentials):
     def fetch(self) -> Tuple[str, Optional[float]]:
         body = urllib.parse.urlencode(self._grant()).encode("ascii")
         headers = {"Content-Type": "application/x-www-form-urlencoded"}
-        return _token_from(_request_token(self._transport, "POST", self._token_path, headers, body))
+        answer = _request_token(self._transport, "POST", self._token_path, headers, body)
+        return _token_from(answer, "the token endpoint")
 
     def _grant(self) -> Dict[str, str]:
         raise NotImplementedError
@@ -792,11 +793,18 @@ class _MetadataServer(_Credentials):
         self._transport = connect("http://" + host)
 
     def fetch(self) -> Tuple[str, Optional[float]]:
-        return _token_from(self._get(self._TOKEN_PATH))
+        return _token_from(self._get(self._TOKEN_PATH), "the metadata server")
 
     def find_project_id(self) -> Optional[str]:
         if self.project_id is None:
-            self.project_id = self._get(self._PROJECT_PATH).body.decode("utf-8").strip()
+            body = self._get(self._PROJECT_PATH).body
+            try:
+                self.project_id = body.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise AuthError(
+                    "the metadata server sent a project id that is not UTF-8 text; "
+                    "pass project_id= or set GOOGLE_CLOUD_PROJECT"
+                ) from None
         return self.project_id
 
     def _get(self, path: str) -> Response:
@@ -823,9 +831,21 @@ class _StaticToken(_Credentials):
 
     def fetch(self) -> Tuple[str, Optional[float]]:
         token = self._token() if callable(self._token) else self._token
-        if not isinstance(token, str) or not token or any(c in token for c in "\r\n"):
-            raise AuthError("access_token must be a non-empty str without line breaks")
+        if not isinstance(token, str) or not _is_header_token(token):
+            raise AuthError(
+                "access_token must be a non-empty str of visible ASCII characters "
+                "(no spaces, line breaks or control characters)"
+            )
         return token, 0.0 if callable(self._token) else None
+
+
+# What may follow "Bearer " in a header: visible ASCII, as in RFC 6750's b64token and wider.
+_HEADER_TOKEN = re.compile(r"[\x21-\x7e]+\Z")
+
+
+def _is_header_token(token: str) -> bool:
+    """Whether an access token can go into an Authorization header as it is."""
+    return _HEADER_TOKEN.match(token) is not None
 
 
 def _field(info: Dict[str, Any], name: str) -> str:
@@ -869,15 +889,25 @@ def _auth_error(error: Error) -> Error:
     return AuthError("the token request failed: " + reason.strip().rstrip(":"))
 
 
-def _token_from(response: Response) -> Tuple[str, Optional[float]]:
-    """The access token and lifetime of a token endpoint's 200 answer."""
+def _token_from(response: Response, source: str) -> Tuple[str, Optional[float]]:
+    """The access token and lifetime of a token endpoint's (or metadata server's) 200 answer.
+
+    The token is checked like one passed in by hand, since it goes into every request's
+    head; the error says what is wrong with it but never shows it.
+    """
     try:
         answer = response.json
         token, lifetime = answer["access_token"], answer.get("expires_in")
-    except (ValueError, KeyError, TypeError):
-        raise AuthError("the token endpoint answered without an access_token") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise AuthError("%s answered without an access_token" % source) from None
     if not isinstance(token, str) or not token:
-        raise AuthError("the token endpoint answered without an access_token")
+        raise AuthError("%s answered without an access_token" % source)
+    if not _is_header_token(token):
+        raise AuthError(
+            "%s sent an unusable access token (it holds a space, line break, control or "
+            "non-ASCII character, so it cannot go in a header); check the endpoint is "
+            "Google's or ask its operator" % source
+        )
     return token, float(lifetime) if isinstance(lifetime, (int, float)) else None
 
 

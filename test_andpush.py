@@ -2718,6 +2718,14 @@ class V1SendTest(V1TestCase):
         self.assertEqual([r.headers["authorization"] for r in self.server.requests],
                          ["Bearer fixed"] * 3)
 
+    def test_an_access_token_that_cannot_go_in_a_header_is_refused(self) -> None:
+        for bad in ["", "a\nb", "a\rb", "a\x00b", "a b", "caf\u00e9", "a\tb"]:
+            with self.subTest(bad=bad):
+                client = self.v1_client(credentials=None, access_token=bad, project_id="p")
+                with self.assertRaisesRegex(andpush.AuthError, "visible ASCII"):
+                    client.push(V1_MESSAGE)
+        self.assertEqual(self.server.processed, 0)
+
     def test_repr_names_the_api_only(self) -> None:
         client = self.v1_client()
         self.assertEqual(repr(client), "<andpush.Client v1 %s>" % self.server.endpoint)
@@ -2871,6 +2879,20 @@ class TokenTest(V1TestCase):
         self.assertIn("clock", str(caught.exception))
         self.assertEqual(self.server.processed, 1)
 
+    def test_an_unusable_token_from_the_endpoint_is_refused_without_showing_it(self) -> None:
+        for bad in ["ya29.a\r\nX-Evil: 1", "ya29.a\nb", "ya29\x00a", "ya29 a", "ya29.\u00e9",
+                    "ya29.\u2028a", "ya29\x7fa"]:
+            with self.subTest(bad=bad):
+                self.server.inject(Reply(200, json={"access_token": bad, "expires_in": 3599}))
+                before = self.server.processed
+                with self.assertRaises(andpush.AuthError) as caught:
+                    self.v1_client().push(V1_MESSAGE)
+                message = str(caught.exception)
+                self.assertIn("the token endpoint sent an unusable access token", message)
+                self.assertNotIn(bad, message)
+                self.assertNotIn("ya29", message)
+                self.assertEqual(self.server.processed, before + 1)  # no send went out
+
     def test_token_endpoint_5xx_is_retried_briefly(self) -> None:
         self.server.inject(Reply(503, body=b""), Reply(500, body=b""))
         self.v1_client().push(V1_MESSAGE)
@@ -2981,6 +3003,20 @@ class ApplicationDefaultCredentialsTest(unittest.TestCase):
         self.assertEqual(self.metadata.requests[0].headers["metadata-flavor"], "Google")
         self.assertEqual(self.google.requests[-1].path,
                          "/v1/projects/metadata-project/messages:send")
+
+    def test_an_unusable_token_from_the_metadata_server_is_refused(self) -> None:
+        self.metadata.inject(Reply(200, json={"access_token": "ya29.a\r\nb", "expires_in": 60}))
+        with self.assertRaises(andpush.AuthError) as caught:
+            self.client(project_id="p").push(V1_MESSAGE)
+        self.assertIn("the metadata server sent an unusable access token", str(caught.exception))
+        self.assertNotIn("ya29", str(caught.exception))
+        self.assertEqual(self.google.processed, 0)
+
+    def test_a_project_id_that_is_not_text_is_an_auth_error(self) -> None:
+        self.metadata.inject(Reply(200, body=b"\xff\xfe"))  # the project id is asked first
+        with self.assertRaisesRegex(andpush.AuthError, "project id that is not UTF-8"):
+            self.client().push(V1_MESSAGE)
+        self.assertEqual(self.google.processed, 0)
 
     def test_nothing_found_says_what_was_tried(self) -> None:
         self.metadata.close()
