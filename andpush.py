@@ -642,10 +642,16 @@ def _parse_pkcs8(der: bytes) -> _RSAPrivateKey:
 
 
 def _pem_decode(pem: str) -> Tuple[str, bytes]:
-    """Split one PEM block into its label and DER bytes, explaining any problem found."""
-    lines = pem.strip().splitlines()
-    first = lines[0].strip() if lines else ""
-    if not (first.startswith(_PEM_BEGIN) and first.endswith(_PEM_DASHES) and len(lines) > 1):
+    """Split one PEM block into its label and DER bytes, explaining any problem found.
+
+    Text before the BEGIN line and after the END line is skipped: RFC 7468 section 2 allows
+    explanatory text outside the encapsulation boundaries. A second block is refused, so a
+    certificate bundled with the key is not silently taken or left.
+    """
+    lines = [line.strip() for line in pem.splitlines()]
+    begins = [index for index, line in enumerate(lines) if line.startswith(_PEM_BEGIN)]
+    first = lines[begins[0]] if begins else ""
+    if not first.endswith(_PEM_DASHES):
         hint = " (it has literal '\\n' sequences: decode the JSON string)" if "\\n" in pem else ""
         raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
     label = first[len(_PEM_BEGIN) : -len(_PEM_DASHES)]
@@ -653,11 +659,14 @@ def _pem_decode(pem: str) -> Tuple[str, bytes]:
         raise ValueError(f"private_key {_WRONG_LABELS[label]}")
     if label not in (_PKCS8_LABEL, _PKCS1_LABEL):
         raise ValueError(f"private_key has unsupported PEM type {label[:40]!r}; {_FIX_HINT}")
-    body = [line.strip() for line in lines[1:-1]]
-    if any(line.startswith(_PEM_DASHES) for line in body):
+    if len(begins) > 1:
         raise ValueError("private_key holds more than one PEM block; pass only the private key")
-    if lines[-1].strip() != f"{_PEM_END}{label}{_PEM_DASHES}":
-        raise ValueError(f"private_key has no '{_PEM_END}{label}-----' line; {_FIX_HINT}")
+    end_line = f"{_PEM_END}{label}{_PEM_DASHES}"
+    rest = lines[begins[0] + 1 :]
+    end = next((i for i, line in enumerate(rest) if line.startswith(_PEM_DASHES)), None)
+    if end is None or rest[end] != end_line:
+        raise ValueError(f"private_key has no '{end_line}' line; {_FIX_HINT}")
+    body = rest[:end]
     if any(line.startswith("Proc-Type:") for line in body):
         raise ValueError(
             "private_key is an encrypted PEM key; export the service account key unencrypted "
@@ -739,7 +748,7 @@ class _ServiceAccount(_TokenGrant):
 
     def __init__(self, info: Dict[str, Any], connect: "_Connector") -> None:
         self._email = _field(info, "client_email")
-        self._key_id = str(info.get("private_key_id") or "")
+        self._key_id = info.get("private_key_id")
         try:
             self._key = _parse_private_key(_field(info, "private_key"))
         except ValueError as exc:
@@ -756,7 +765,9 @@ class _ServiceAccount(_TokenGrant):
 
     def assertion(self, now: int) -> str:
         """The signed JWT that asks for an FCM access token."""
-        header = {"alg": "RS256", "typ": "JWT", "kid": self._key_id}
+        header = {"alg": "RS256", "typ": "JWT"}
+        if self._key_id:  # left out when the key file has none, as google-auth does
+            header["kid"] = str(self._key_id)
         claims = {
             "iss": self._email, "scope": FCM_SCOPE, "aud": self._token_uri,
             "iat": now, "exp": now + _JWT_LIFETIME,

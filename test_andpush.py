@@ -1910,6 +1910,25 @@ class PrivateKeyParsingTest(unittest.TestCase):
             with self.subTest(variant=variant[:40]):
                 self.assertEqual(key_fields(_parse_private_key(variant)), expected)
 
+    def test_text_outside_the_block_is_skipped_as_rfc_7468_allows(self) -> None:
+        expected = key_fields(_parse_private_key(TEST_RSA_KEY_PKCS8_PEM))
+        variants = [
+            "Bag Attributes\n    friendlyName: fcm\nKey Attributes: <No Attributes>\n"
+            + TEST_RSA_KEY_PKCS8_PEM,
+            TEST_RSA_KEY_PKCS8_PEM + "Comment: issued for andpush tests\n",
+            "before\n" + TEST_RSA_KEY_PKCS1_PEM + "\nafter\n",
+        ]
+        for variant in variants:
+            with self.subTest(variant=variant[:30]):
+                self.assertEqual(key_fields(_parse_private_key(variant)), expected)
+
+    def test_a_second_block_is_refused_even_after_text(self) -> None:
+        for two in [TEST_RSA_KEY_PKCS8_PEM + "text\n" + TEST_RSA_KEY_PKCS8_PEM,
+                    "intro\n" + TEST_RSA_KEY_PKCS1_PEM + TEST_EC_KEY_PKCS8_PEM]:
+            with self.subTest(two=two[:10]):
+                with self.assertRaisesRegex(ValueError, "more than one PEM block"):
+                    _parse_private_key(two)
+
     def test_accepts_optional_pkcs8_forms(self) -> None:
         key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
         pkcs1 = pkcs1_der(key_fields(key))
@@ -2649,6 +2668,13 @@ class HPACKCrossCheckTest(unittest.TestCase):
 
 # The HTTP v1 API: credentials, tokens, errors, topics #######################################
 
+class _NoTransport:
+    """A transport for credentials that are never asked for a token."""
+
+    def close(self) -> None:
+        pass
+
+
 class V1TestCase(ServerTestCase):
     server_class = FakeGoogle
 
@@ -2671,6 +2697,17 @@ class V1SendTest(V1TestCase):
         self.assertEqual(send.path, "/v1/projects/%s/messages:send" % TEST_PROJECT)
         self.assertEqual(send.headers["authorization"], "Bearer " + self.server.issued[0])
         self.assertEqual(send.json, {"message": V1_MESSAGE, "validate_only": False})
+
+    def test_a_key_file_without_private_key_id_sends_no_kid(self) -> None:
+        info = service_account_info(self.server)
+        del info["private_key_id"]
+        assertion = andpush._ServiceAccount(info, lambda origin: _NoTransport()).assertion(1000)
+        header = json.loads(_b64url_decode(assertion.split(".")[0]))
+        self.assertEqual(header, {"alg": "RS256", "typ": "JWT"})
+        info["private_key_id"] = "abc123"
+        assertion = andpush._ServiceAccount(info, lambda origin: _NoTransport()).assertion(1000)
+        header = json.loads(_b64url_decode(assertion.split(".")[0]))
+        self.assertEqual(header, {"alg": "RS256", "typ": "JWT", "kid": "abc123"})
 
     def test_the_jwt_carries_the_claims_google_checks(self) -> None:
         self.v1_client().push(V1_MESSAGE)
