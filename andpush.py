@@ -2480,6 +2480,17 @@ _TARGETS = ("token", "topic", "condition", "fid")
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9\-_.~%]{1,900}\Z")
 _RESERVED_DATA_KEYS = ("from", "message_type")
 _RESERVED_DATA_PREFIXES = ("google", "gcm")
+#: Bytes of a data payload FCM takes, counting each key and value in UTF-8.
+MAX_DATA_BYTES = 4096
+#: Longest time to live FCM takes, in seconds (four weeks).
+MAX_TTL_SECONDS = 2419200
+# FCM takes the priority in either case: firebase-admin sends "high", the REST docs say "HIGH".
+_PRIORITIES = ("normal", "high")
+_TTL = re.compile(r"[0-9]+(?:\.[0-9]{1,9})?s\Z", re.ASCII)  # google.protobuf.Duration in JSON
+_COLOR = re.compile(r"#[0-9a-fA-F]{6}\Z")
+_ANALYTICS_LABEL = re.compile(r"[a-zA-Z0-9\-_.~%]{1,50}\Z")
+_NOTIFICATION_TEXTS = ("title", "body", "image")
+_PLATFORMS = ("android", "apns", "webpush")
 
 
 def _check_dict(message: object) -> Dict[str, Any]:
@@ -2489,7 +2500,11 @@ def _check_dict(message: object) -> Dict[str, Any]:
 
 
 def _check_message(message: object) -> Dict[str, Any]:
-    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix."""
+    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix.
+
+    Only what FCM is known to refuse is refused, and each check looks only at fields that
+    are present, so a typical message costs a few dict lookups more.
+    """
     message = _check_dict(message)
     targets = [name for name in _TARGETS if name in message]
     if len(targets) != 1:
@@ -2503,10 +2518,128 @@ def _check_message(message: object) -> Dict[str, Any]:
     if targets[0] == "topic":
         _check_topic(target)
     _check_data(message.get("data"), "data")
-    android = message.get("android")
-    if isinstance(android, dict):
-        _check_data(android.get("data"), "android.data")
+    notification = message.get("notification")
+    if notification is not None:
+        _check_texts(_check_section(notification, "notification"), "notification")
+    _check_fcm_options(message, "")
+    for platform in _PLATFORMS:
+        config = message.get(platform)
+        if config is not None:
+            _check_platform(platform, _check_section(config, platform))
     return message
+
+
+def _check_section(value: object, where: str) -> Dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError("message %s must be a dict, got %s" % (where, type(value).__name__))
+    return value
+
+
+def _check_texts(notification: Dict[str, Any], where: str) -> None:
+    """A notification's title, body and image are strings (FCM refuses numbers and the like)."""
+    for name in _NOTIFICATION_TEXTS:
+        value = notification.get(name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(
+                "message %s.%s must be a str, got %s; convert it, e.g. with str()"
+                % (where, name, type(value).__name__)
+            )
+
+
+def _check_platform(platform: str, config: Dict[str, Any]) -> None:
+    """The checks of one of android, apns or webpush."""
+    _check_fcm_options(config, platform + ".")
+    if platform == "android":
+        _check_android(config)
+        return
+    headers = config.get("headers")
+    if headers is not None:
+        _check_strings(headers, platform + ".headers")
+    if platform == "webpush":
+        _check_data(config.get("data"), "webpush.data")
+        _check_link(_either(config, "fcm_options", "fcmOptions"))
+
+
+def _check_android(android: Dict[str, Any]) -> None:
+    _check_data(android.get("data"), "android.data")
+    _check_priority(android.get("priority"), "android.priority")
+    ttl = android.get("ttl")
+    if ttl is not None:
+        _check_ttl(ttl)
+    notification = android.get("notification")
+    if notification is not None:
+        color = _check_section(notification, "android.notification").get("color")
+        _check_color(color, "android.notification.color")
+
+
+def _check_color(color: object, where: str) -> None:
+    if color is not None and not (isinstance(color, str) and _COLOR.match(color)):
+        raise ValueError(
+            'message %s must be #rrggbb, such as "#ff8800"; got %s' % (where, _shown(color))
+        )
+
+
+def _check_priority(priority: object, where: str) -> None:
+    if priority is not None and not (
+        isinstance(priority, str) and priority.lower() in _PRIORITIES
+    ):
+        raise ValueError(
+            'message %s must be "normal" or "high", got %s' % (where, _shown(priority))
+        )
+
+
+def _check_ttl(ttl: object) -> None:
+    if not (isinstance(ttl, str) and _TTL.match(ttl) and float(ttl[:-1]) <= MAX_TTL_SECONDS):
+        raise ValueError(
+            'message android.ttl must be a duration string of 0 to %d seconds, such as "3600s" '
+            'or "0.5s"; got %s' % (MAX_TTL_SECONDS, _shown(ttl))
+        )
+
+
+def _check_fcm_options(section: Dict[str, Any], where: str) -> None:
+    """An ``fcm_options.analytics_label`` (either spelling) matches FCM's pattern."""
+    options = _either(section, "fcm_options", "fcmOptions")
+    if options is None:
+        return
+    options = _check_section(options, where + "fcm_options")
+    label = _either(options, "analytics_label", "analyticsLabel")
+    if label is not None and not (isinstance(label, str) and _ANALYTICS_LABEL.match(label)):
+        raise ValueError(
+            "message %sfcm_options.analytics_label must be 1 to 50 of a-z A-Z 0-9 - _ . ~ %%; "
+            "got %s" % (where, _shown(label))
+        )
+
+
+def _check_link(options: object) -> None:
+    link = options.get("link") if isinstance(options, dict) else None
+    if link is not None and not (isinstance(link, str) and link[:8].lower() == "https://"):
+        raise ValueError(
+            "message webpush.fcm_options.link must be an https:// URL, got %s" % _shown(link)
+        )
+
+
+def _check_strings(values: object, where: str) -> None:
+    """A map of str to str, such as apns.headers."""
+    if not isinstance(values, dict):
+        raise TypeError("message %s must be a dict of str to str" % where)
+    for key, value in values.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(
+                "message %s[%s] must be a str, got %s; convert it, e.g. with str()"
+                % (where, _shown(key), type(value).__name__)
+            )
+
+
+def _either(section: Dict[str, Any], name: str, camel_case_name: str) -> Any:
+    """A field FCM takes under either spelling (proto3 JSON accepts both)."""
+    value = section.get(name)
+    return section.get(camel_case_name) if value is None else value
+
+
+def _shown(value: object) -> str:
+    """A short repr of a bad field value for an error message (never used on device tokens)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_topic(topic: str) -> None:
@@ -2534,6 +2667,60 @@ def _check_data(data: object, where: str) -> None:
             )
         if key in _RESERVED_DATA_KEYS or key.startswith(_RESERVED_DATA_PREFIXES):
             raise ValueError("message %s key %r is reserved by FCM; rename it" % (where, key))
+
+
+def _check_data_sizes(message: Dict[str, Any], body: bytes) -> None:
+    """Each data payload of a message is at most MAX_DATA_BYTES: keys and values in UTF-8.
+
+    That is what FCM counts for data; quotes, colons and the rest of the JSON are not
+    counted, so this never refuses what FCM takes. The encoded body is longer than any
+    payload in it, so only a body over the limit needs counting.
+    """
+    if len(body) <= MAX_DATA_BYTES:
+        return
+    sections = [(message, "data")]
+    for platform in ("android", "webpush"):
+        config = message.get(platform)
+        if isinstance(config, dict):
+            sections.append((config, platform + ".data"))
+    for section, where in sections:
+        data = section.get("data")
+        if isinstance(data, dict) and _data_size(data) > MAX_DATA_BYTES:
+            raise ValueError(
+                "message %s is %d bytes (its keys and values in UTF-8), but FCM takes at most "
+                "%d; send less, e.g. an id the app uses to fetch the rest"
+                % (where, _data_size(data), MAX_DATA_BYTES)
+            )
+
+
+def _data_size(data: Dict[Any, Any]) -> int:
+    """Bytes of a data payload's keys and values in UTF-8; a legacy non-str value as JSON."""
+    size = 0
+    for key, value in data.items():
+        text = value if isinstance(value, str) else _JSON_ENCODE(value)
+        size += len(str(key).encode("utf-8", "surrogatepass"))
+        size += len(text.encode("utf-8", "surrogatepass"))
+    return size
+
+
+def _check_legacy_message(message: object) -> Dict[str, Any]:
+    """Check a legacy message the way _check_message does, for the fields the two share."""
+    message = _check_dict(message)
+    _check_priority(message.get("priority"), "priority")
+    ttl = message.get("time_to_live")
+    if ttl is not None and (
+        isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 <= ttl <= MAX_TTL_SECONDS
+    ):
+        raise ValueError(
+            "message time_to_live must be an int of 0 to %d seconds, got %s"
+            % (MAX_TTL_SECONDS, _shown(ttl))
+        )
+    notification = message.get("notification")
+    if notification is not None:
+        notification = _check_section(notification, "notification")
+        _check_texts(notification, "notification")
+        _check_color(notification.get("color"), "notification.color")
+    return message
 
 
 _JSON_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
@@ -2570,10 +2757,12 @@ class _LegacyAPI:
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
         """Path, body and target tokens of a push; TypeError/ValueError for a bad message."""
-        message = _check_dict(message)
+        message = _check_legacy_message(message)
         if validate_only:
             message = dict(message, dry_run=True)
-        return "/fcm/send", _encode_json(message), _legacy_tokens(message)
+        body = _encode_json(message)
+        _check_data_sizes(message, body)
+        return "/fcm/send", body, _legacy_tokens(message)
 
     def headers(self) -> Tuple[Dict[str, str], str]:
         return self._headers, ""
@@ -2600,7 +2789,9 @@ class _V1API:
         self.refreshable = credentials.refreshable
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
-        body = _encode_json(_check_message(message))
+        checked = _check_message(message)
+        body = _encode_json(checked)
+        _check_data_sizes(checked, body)
         tail = b',"validate_only":true}' if validate_only else b',"validate_only":false}'
         return self.project_path() + "/messages:send", b'{"message":' + body + tail, ()
 

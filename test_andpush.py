@@ -2781,13 +2781,110 @@ class MessageValidationTest(unittest.TestCase):
             ({"token": "a", "data": {"from": "x"}}, ValueError, "reserved"),
             ({"token": "a", "data": {"google.x": "x"}}, ValueError, "reserved"),
             ({"token": "a", "android": {"data": {"ok": True}}}, TypeError, "android.data"),
-            ({"token": "a", "apns": {"headers": {1, 2}}}, TypeError, "serialisable"),
+            ({"token": "a", "apns": {"headers": {1, 2}}}, TypeError, "apns.headers must be a dict"),
         ]
         api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
         for message, error, pattern in table:
             with self.subTest(message=message):
                 with self.assertRaisesRegex(error, pattern):
                     api.prepare(message, False)
+
+    def test_fields_fcm_would_refuse_are_refused_with_what_to_fix(self) -> None:
+        big = {"k%d" % i: "v" * 100 for i in range(40)}  # 40 * (2 or 3 + 100) = 4,110 bytes
+        table: List[Tuple[Dict[str, Any], type, str]] = [
+            ({"notification": "hi"}, TypeError, "notification must be a dict"),
+            ({"notification": {"title": 5}}, TypeError, "notification.title must be a str"),
+            ({"notification": {"body": ["x"]}}, TypeError, "notification.body must be a str"),
+            ({"notification": {"image": b"x"}}, TypeError, "notification.image must be a str"),
+            ({"android": []}, TypeError, "android must be a dict"),
+            ({"android": {"priority": "urgent"}}, ValueError,
+             'android.priority must be "normal" or "high", got \'urgent\''),
+            ({"android": {"priority": 10}}, ValueError, "android.priority"),
+            ({"android": {"ttl": 3600}}, ValueError, 'android.ttl must be a duration.*"3600s"'),
+            ({"android": {"ttl": "3600"}}, ValueError, "android.ttl"),
+            ({"android": {"ttl": "-1s"}}, ValueError, "android.ttl"),
+            ({"android": {"ttl": "2419201s"}}, ValueError, "0 to 2419200 seconds"),
+            ({"android": {"ttl": "2419200.5s"}}, ValueError, "android.ttl"),
+            ({"android": {"ttl": "\u0663s"}}, ValueError, "android.ttl"),
+            ({"android": {"ttl": "1.1234567890s"}}, ValueError, "android.ttl"),
+            ({"android": {"notification": {"color": "red"}}}, ValueError,
+             "android.notification.color must be #rrggbb"),
+            ({"android": {"notification": {"color": "#ff00"}}}, ValueError, "#rrggbb"),
+            ({"fcm_options": {"analytics_label": "has space"}}, ValueError,
+             "fcm_options.analytics_label must be 1 to 50"),
+            ({"fcm_options": {"analytics_label": "x" * 51}}, ValueError, "analytics_label"),
+            ({"fcmOptions": {"analyticsLabel": "a/b"}}, ValueError, "analytics_label"),
+            ({"android": {"fcm_options": {"analytics_label": ""}}}, ValueError,
+             "android.fcm_options.analytics_label"),
+            ({"apns": {"fcm_options": {"analytics_label": "\u00e9"}}}, ValueError,
+             "apns.fcm_options.analytics_label"),
+            ({"webpush": {"fcm_options": {"analytics_label": 7}}}, ValueError,
+             "webpush.fcm_options.analytics_label"),
+            ({"apns": {"headers": {"apns-priority": 10}}}, TypeError,
+             r"apns.headers\['apns-priority'\] must be a str, got int"),
+            ({"webpush": {"headers": {"TTL": 60}}}, TypeError, r"webpush.headers\['TTL'\]"),
+            ({"webpush": {"fcm_options": {"link": "http://example.com"}}}, ValueError,
+             "webpush.fcm_options.link must be an https:// URL"),
+            ({"webpush": {"fcm_options": {"link": "/relative"}}}, ValueError, "https://"),
+            ({"data": big}, ValueError,
+             "message data is 41.. bytes .its keys and values in UTF-8., but FCM takes at most "
+             "4096"),
+            ({"data": {"k": "\u20ac" * 1366}}, ValueError, "data is 4099 bytes"),
+            ({"android": {"data": big}}, ValueError, "android.data is"),
+            ({"webpush": {"data": big}}, ValueError, "webpush.data is"),
+        ]
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        for fields, error, pattern in table:
+            with self.subTest(fields=str(fields)[:60]):
+                with self.assertRaisesRegex(error, pattern) as caught:
+                    api.prepare(dict(fields, token=TOKEN), False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+
+    def test_what_fcm_takes_is_let_through(self) -> None:
+        full = {"k%d" % i: "v" * 100 for i in range(39)}  # 39 * 103 + 1 = 4,018 bytes
+        full["k"] = "v" * (4096 - andpush._data_size(full) - 1)
+        self.assertEqual(andpush._data_size(full), 4096)
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        for fields in [
+            {"notification": {"title": "T", "body": "B", "image": "https://x/i.png"}},
+            {"notification": {"title": None}},
+            {"android": {"priority": "high", "ttl": "0s"}},
+            {"android": {"priority": "NORMAL", "ttl": "2419200s"}},
+            {"android": {"priority": "High", "ttl": "0.5s"}},
+            {"android": {"ttl": "3.123456789s", "notification": {"color": "#A0b1C2"}}},
+            {"fcm_options": {"analytics_label": "a-Z_0.9~%" + "x" * 41}},
+            {"fcmOptions": {"analyticsLabel": "campaign"}},
+            {"apns": {"headers": {"apns-priority": "10"}, "payload": {"aps": {"badge": 1}}}},
+            {"webpush": {"headers": {"TTL": "60"}, "fcm_options": {"link": "HTTPS://x.org/"}}},
+            {"data": full},
+        ]:
+            with self.subTest(fields=str(fields)[:60]):
+                api.prepare(dict(fields, token=TOKEN), False)
+
+    def test_legacy_messages_get_the_checks_of_the_fields_they_share(self) -> None:
+        api = andpush._LegacyAPI(SERVER_KEY)
+        big = {"k%d" % i: "v" * 100 for i in range(40)}
+        table: List[Tuple[Dict[str, Any], type, str]] = [
+            ({"priority": "urgent"}, ValueError, 'priority must be "normal" or "high"'),
+            ({"time_to_live": "3600"}, ValueError, "time_to_live must be an int of 0 to 2419200"),
+            ({"time_to_live": 2419201}, ValueError, "time_to_live"),
+            ({"time_to_live": -1}, ValueError, "time_to_live"),
+            ({"time_to_live": True}, ValueError, "time_to_live"),
+            ({"notification": {"title": 1}}, TypeError, "notification.title must be a str"),
+            ({"notification": {"color": "blue"}}, ValueError, "notification.color must be"),
+            ({"data": big}, ValueError, "data is 41.. bytes"),
+            ({"data": {"n": "x" * 4000, "list": list(range(40))}}, ValueError, "data is 4116 "),
+        ]
+        for fields, error, pattern in table:
+            with self.subTest(fields=str(fields)[:60]):
+                with self.assertRaisesRegex(error, pattern) as caught:
+                    api.prepare(dict(fields, to=TOKEN), False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+        for fields in [{"priority": "high", "time_to_live": 0}, {"time_to_live": 2419200},
+                       {"priority": "normal", "notification": {"color": "#ffffff"}},
+                       {"data": {"n": 1, "ok": True}}]:
+            with self.subTest(fields=fields):
+                api.prepare(dict(fields, to=TOKEN), False)
 
     def test_good_targets(self) -> None:
         api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
