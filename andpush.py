@@ -43,7 +43,6 @@ import base64
 import binascii
 import collections
 import contextlib
-import email.utils
 import heapq
 import hashlib
 import http.client
@@ -97,7 +96,24 @@ _USER_AGENT = "andpush/" + __version__
 # What can go wrong, as one tree of exceptions that carry what a caller needs.
 
 class Error(Exception):
-    """Base class of every error andpush raises on purpose."""
+    """Base class of every error andpush raises on purpose.
+
+    Every andpush error survives ``pickle`` and ``copy`` with its class, message and
+    attributes (an HTTPError's ``response`` travels with it), so it can cross a process
+    pool or be stored by a result backend.
+    """
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        """Rebuild without calling ``__init__``, whose arguments are not kept in ``args``."""
+        return _rebuild_error, (type(self), self.args, self.__dict__)
+
+
+def _rebuild_error(cls: Type[Error], args: Tuple[Any, ...], state: Dict[str, Any]) -> Error:
+    """The unpickled twin of an error: same class, args and attributes."""
+    error = cls.__new__(cls, *args)
+    error.args = args  # OSError.__new__ leaves args to an __init__ that is not called here
+    error.__dict__.update(state)
+    return error
 
 
 class NetworkError(Error, OSError):
@@ -117,7 +133,10 @@ class AuthError(Error):
 
 
 class HTTPError(Error):
-    """The server answered with a status outside 2xx; ``response`` holds the answer."""
+    """The server answered with a status outside 2xx; ``response`` holds the answer.
+
+    The response (status, reason, headers, body) is plain data and is pickled with the error.
+    """
 
     def __init__(self, response: "Response") -> None:
         self.response = response
@@ -183,6 +202,16 @@ _ERRORS_BY_STATUS: Dict[int, Type[HTTPError]] = {
 }
 
 
+_FCM_ERROR_TYPE = "type.googleapis.com/google.firebase.fcm.v1.FcmError"
+# The google.rpc.Code names a v1 error's "status" may hold.
+_CANONICAL_STATUSES = frozenset((
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
+    "UNAVAILABLE", "DATA_LOSS",
+))
+
+
 def _http_error(response: "Response") -> HTTPError:
     """Map a non-2xx response to the most specific exception class."""
     code = _error_code(response)
@@ -207,14 +236,21 @@ def _error_envelope(response: "Response") -> Dict[str, Any]:
 
 
 def _error_code(response: "Response") -> Optional[str]:
-    """The FCM error code: ``details[].errorCode`` when present, else the v1 status."""
+    """The FCM error code: the FcmError detail's ``errorCode``, else the v1 status.
+
+    As firebase-admin does, a code counts only from a detail typed as an FcmError, and a
+    status only when it is one of Google's canonical codes: a gateway's 404 carrying
+    ``{"errorCode": "UNREGISTERED"}`` elsewhere must not make the caller delete the token.
+    """
     envelope = _error_envelope(response)
     details = envelope.get("details")
     for detail in details if isinstance(details, list) else ():
-        if isinstance(detail, dict) and isinstance(detail.get("errorCode"), str):
-            return str(detail["errorCode"])
+        if isinstance(detail, dict) and detail.get("@type") == _FCM_ERROR_TYPE:
+            code = detail.get("errorCode")
+            if isinstance(code, str):
+                return code
     status = envelope.get("status")
-    return status if isinstance(status, str) else None
+    return status if isinstance(status, str) and status in _CANONICAL_STATUSES else None
 
 
 def _describe(response: "Response", error_code: Optional[str]) -> str:
@@ -228,20 +264,92 @@ def _describe(response: "Response", error_code: Optional[str]) -> str:
     return text
 
 
+# RFC 9110 section 5.6.7: the three HTTP-date forms a recipient must accept.
+_DAY_NAME = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
+_LONG_DAY_NAME = r"(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)"
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_MONTH = r"(?P<month>%s)" % "|".join(_MONTHS)
+_CLOCK = r"(?P<hour>[0-9]{2}):(?P<minute>[0-9]{2}):(?P<second>[0-9]{2})"
+_HTTP_DATES = tuple(re.compile(pattern, re.ASCII) for pattern in (
+    # IMF-fixdate: Sun, 06 Nov 1994 08:49:37 GMT
+    r"%s, (?P<day>[0-9]{2}) %s (?P<year>[0-9]{4}) %s GMT\Z" % (_DAY_NAME, _MONTH, _CLOCK),
+    # obsolete RFC 850: Sunday, 06-Nov-94 08:49:37 GMT
+    r"%s, (?P<day>[0-9]{2})-%s-(?P<year>[0-9]{2}) %s GMT\Z" % (_LONG_DAY_NAME, _MONTH, _CLOCK),
+    # asctime: Sun Nov  6 08:49:37 1994
+    r"%s %s (?P<day>[ 0-9][0-9]) %s (?P<year>[0-9]{4})\Z" % (_DAY_NAME, _MONTH, _CLOCK),
+))
+_DELTA_SECONDS = re.compile(r"[0-9]+\Z", re.ASCII)
+# RFC 9111 section 1.2.2: a delta-seconds too big to hold counts as 2^31.
+_MAX_DELTA_SECONDS = 2 ** 31
+_DAYS_BEFORE_MONTH = (0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334)
+_SECONDS_PER_DAY = 86400
+_EPOCH_YEAR = 1970
+# RFC 9110: a two-digit year more than 50 years ahead is taken as the latest past one.
+_TWO_DIGIT_YEAR_HORIZON = 50
+
+
 def _retry_after(value: Optional[str]) -> Optional[float]:
-    """Seconds from a Retry-After header in either form (seconds or HTTP date), or None."""
+    """Seconds from a Retry-After header (delta-seconds or any HTTP-date form), or None.
+
+    Only ASCII digits count as digits, and anything malformed is treated as absent, so
+    no header value can raise. Dates are parsed here rather than with email.utils, which
+    ignores the asctime form and costs milliseconds to import.
+    """
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    if _DELTA_SECONDS.match(value):
+        return float(min(float(value), _MAX_DELTA_SECONDS))
+    when = _http_date(value)
+    return None if when is None else max(0.0, when - time.time())
+
+
+def _http_date(value: str) -> Optional[float]:
+    """The Unix time an HTTP-date stands for, or None if it is not one or not a real date."""
+    for form in _HTTP_DATES:
+        match = form.match(value)
+        if match:
+            break
+    else:
         return None
-    if when is None or when.tzinfo is None:
+    year, day = int(match["year"]), int(match["day"])
+    month = _MONTHS.index(match["month"]) + 1
+    hour, minute, second = int(match["hour"]), int(match["minute"]), int(match["second"])
+    if len(match["year"]) == 2:
+        year = _full_year(year)
+    if not (1 <= day <= _days_in_month(year, month) and hour < 24 and minute < 60
+            and second < 61):  # 60: a leap second
         return None
-    return max(0.0, when.timestamp() - time.time())
+    days = _days_since_epoch(year, month, day)
+    return float(days * _SECONDS_PER_DAY + hour * 3600 + minute * 60 + second)
+
+
+def _full_year(two_digits: int) -> int:
+    """The year a two-digit RFC 850 year stands for, as RFC 9110 section 5.6.7 says."""
+    this_year = time.gmtime().tm_year
+    year = this_year - this_year % 100 + two_digits
+    return year - 100 if year > this_year + _TWO_DIGIT_YEAR_HORIZON else year
+
+
+def _is_leap(year: int) -> bool:
+    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+
+
+def _days_in_month(year: int, month: int) -> int:
+    if month == 2:
+        return 29 if _is_leap(year) else 28
+    return 30 if month in (4, 6, 9, 11) else 31
+
+
+def _days_since_epoch(year: int, month: int, day: int) -> int:
+    """Days from 1970-01-01 to a (proleptic Gregorian) date; negative before it."""
+    def leap_days_through(y: int) -> int:
+        return y // 4 - y // 100 + y // 400
+
+    leap_days = leap_days_through(year - 1) - leap_days_through(_EPOCH_YEAR - 1)
+    leap_day = 1 if month > 2 and _is_leap(year) else 0
+    day_of_year = _DAYS_BEFORE_MONTH[month - 1] + leap_day + day - 1
+    return (year - _EPOCH_YEAR) * 365 + leap_days + day_of_year
 
 
 # Responses ###################################################################
@@ -269,6 +377,9 @@ class Headers(Mapping[str, str]):
 
     def __repr__(self) -> str:
         return "Headers(%r)" % (self._items,)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return Headers, (self._items,)
 
 
 class Response:
@@ -319,6 +430,15 @@ class Response:
 
     def __repr__(self) -> str:
         return "<Response [%d]>" % self.status_code
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Plain data for pickle and copy; the parsed JSON is left to be parsed again."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != "_json"}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self._json = _UNPARSED
 
 
 _UNPARSED = object()
@@ -521,10 +641,16 @@ def _parse_pkcs8(der: bytes) -> _RSAPrivateKey:
 
 
 def _pem_decode(pem: str) -> Tuple[str, bytes]:
-    """Split one PEM block into its label and DER bytes, explaining any problem found."""
-    lines = pem.strip().splitlines()
-    first = lines[0].strip() if lines else ""
-    if not (first.startswith(_PEM_BEGIN) and first.endswith(_PEM_DASHES) and len(lines) > 1):
+    """Split one PEM block into its label and DER bytes, explaining any problem found.
+
+    Text before the BEGIN line and after the END line is skipped: RFC 7468 section 2 allows
+    explanatory text outside the encapsulation boundaries. A second block is refused, so a
+    certificate bundled with the key is not silently taken or left.
+    """
+    lines = [line.strip() for line in pem.splitlines()]
+    begins = [index for index, line in enumerate(lines) if line.startswith(_PEM_BEGIN)]
+    first = lines[begins[0]] if begins else ""
+    if not first.endswith(_PEM_DASHES):
         hint = " (it has literal '\\n' sequences: decode the JSON string)" if "\\n" in pem else ""
         raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
     label = first[len(_PEM_BEGIN) : -len(_PEM_DASHES)]
@@ -532,11 +658,14 @@ def _pem_decode(pem: str) -> Tuple[str, bytes]:
         raise ValueError(f"private_key {_WRONG_LABELS[label]}")
     if label not in (_PKCS8_LABEL, _PKCS1_LABEL):
         raise ValueError(f"private_key has unsupported PEM type {label[:40]!r}; {_FIX_HINT}")
-    body = [line.strip() for line in lines[1:-1]]
-    if any(line.startswith(_PEM_DASHES) for line in body):
+    if len(begins) > 1:
         raise ValueError("private_key holds more than one PEM block; pass only the private key")
-    if lines[-1].strip() != f"{_PEM_END}{label}{_PEM_DASHES}":
-        raise ValueError(f"private_key has no '{_PEM_END}{label}-----' line; {_FIX_HINT}")
+    end_line = f"{_PEM_END}{label}{_PEM_DASHES}"
+    rest = lines[begins[0] + 1 :]
+    end = next((i for i, line in enumerate(rest) if line.startswith(_PEM_DASHES)), None)
+    if end is None or rest[end] != end_line:
+        raise ValueError(f"private_key has no '{end_line}' line; {_FIX_HINT}")
+    body = rest[:end]
     if any(line.startswith("Proc-Type:") for line in body):
         raise ValueError(
             "private_key is an encrypted PEM key; export the service account key unencrypted "
@@ -603,7 +732,8 @@ class _TokenGrant(_Credentials):
     def fetch(self) -> Tuple[str, Optional[float]]:
         body = urllib.parse.urlencode(self._grant()).encode("ascii")
         headers = {"Content-Type": "application/x-www-form-urlencoded"}
-        return _token_from(_request_token(self._transport, "POST", self._token_path, headers, body))
+        answer = _request_token(self._transport, "POST", self._token_path, headers, body)
+        return _token_from(answer, "the token endpoint")
 
     def _grant(self) -> Dict[str, str]:
         raise NotImplementedError
@@ -617,7 +747,7 @@ class _ServiceAccount(_TokenGrant):
 
     def __init__(self, info: Dict[str, Any], connect: "_Connector") -> None:
         self._email = _field(info, "client_email")
-        self._key_id = str(info.get("private_key_id") or "")
+        self._key_id = info.get("private_key_id")
         try:
             self._key = _parse_private_key(_field(info, "private_key"))
         except ValueError as exc:
@@ -634,7 +764,9 @@ class _ServiceAccount(_TokenGrant):
 
     def assertion(self, now: int) -> str:
         """The signed JWT that asks for an FCM access token."""
-        header = {"alg": "RS256", "typ": "JWT", "kid": self._key_id}
+        header = {"alg": "RS256", "typ": "JWT"}
+        if self._key_id:  # left out when the key file has none, as google-auth does
+            header["kid"] = str(self._key_id)
         claims = {
             "iss": self._email, "scope": FCM_SCOPE, "aud": self._token_uri,
             "iat": now, "exp": now + _JWT_LIFETIME,
@@ -671,11 +803,18 @@ class _MetadataServer(_Credentials):
         self._transport = connect("http://" + host)
 
     def fetch(self) -> Tuple[str, Optional[float]]:
-        return _token_from(self._get(self._TOKEN_PATH))
+        return _token_from(self._get(self._TOKEN_PATH), "the metadata server")
 
     def find_project_id(self) -> Optional[str]:
         if self.project_id is None:
-            self.project_id = self._get(self._PROJECT_PATH).body.decode("utf-8").strip()
+            body = self._get(self._PROJECT_PATH).body
+            try:
+                self.project_id = body.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise AuthError(
+                    "the metadata server sent a project id that is not UTF-8 text; "
+                    "pass project_id= or set GOOGLE_CLOUD_PROJECT"
+                ) from None
         return self.project_id
 
     def _get(self, path: str) -> Response:
@@ -702,9 +841,21 @@ class _StaticToken(_Credentials):
 
     def fetch(self) -> Tuple[str, Optional[float]]:
         token = self._token() if callable(self._token) else self._token
-        if not isinstance(token, str) or not token or any(c in token for c in "\r\n"):
-            raise AuthError("access_token must be a non-empty str without line breaks")
+        if not isinstance(token, str) or not _is_header_token(token):
+            raise AuthError(
+                "access_token must be a non-empty str of visible ASCII characters "
+                "(no spaces, line breaks or control characters)"
+            )
         return token, 0.0 if callable(self._token) else None
+
+
+# What may follow "Bearer " in a header: visible ASCII, as in RFC 6750's b64token and wider.
+_HEADER_TOKEN = re.compile(r"[\x21-\x7e]+\Z")
+
+
+def _is_header_token(token: str) -> bool:
+    """Whether an access token can go into an Authorization header as it is."""
+    return _HEADER_TOKEN.match(token) is not None
 
 
 def _field(info: Dict[str, Any], name: str) -> str:
@@ -748,15 +899,25 @@ def _auth_error(error: Error) -> Error:
     return AuthError("the token request failed: " + reason.strip().rstrip(":"))
 
 
-def _token_from(response: Response) -> Tuple[str, Optional[float]]:
-    """The access token and lifetime of a token endpoint's 200 answer."""
+def _token_from(response: Response, source: str) -> Tuple[str, Optional[float]]:
+    """The access token and lifetime of a token endpoint's (or metadata server's) 200 answer.
+
+    The token is checked like one passed in by hand, since it goes into every request's
+    head; the error says what is wrong with it but never shows it.
+    """
     try:
         answer = response.json
         token, lifetime = answer["access_token"], answer.get("expires_in")
-    except (ValueError, KeyError, TypeError):
-        raise AuthError("the token endpoint answered without an access_token") from None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise AuthError("%s answered without an access_token" % source) from None
     if not isinstance(token, str) or not token:
-        raise AuthError("the token endpoint answered without an access_token")
+        raise AuthError("%s answered without an access_token" % source)
+    if not _is_header_token(token):
+        raise AuthError(
+            "%s sent an unusable access token (it holds a space, line break, control or "
+            "non-ASCII character, so it cannot go in a header); check the endpoint is "
+            "Google's or ask its operator" % source
+        )
     return token, float(lifetime) if isinstance(lifetime, (int, float)) else None
 
 
@@ -2318,6 +2479,17 @@ _TARGETS = ("token", "topic", "condition", "fid")
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9\-_.~%]{1,900}\Z")
 _RESERVED_DATA_KEYS = ("from", "message_type")
 _RESERVED_DATA_PREFIXES = ("google", "gcm")
+#: Bytes of a data payload FCM takes, counting each key and value in UTF-8.
+MAX_DATA_BYTES = 4096
+#: Longest time to live FCM takes, in seconds (four weeks).
+MAX_TTL_SECONDS = 2419200
+# FCM takes the priority in either case: firebase-admin sends "high", the REST docs say "HIGH".
+_PRIORITIES = ("normal", "high")
+_TTL = re.compile(r"[0-9]+(?:\.[0-9]{1,9})?s\Z", re.ASCII)  # google.protobuf.Duration in JSON
+_COLOR = re.compile(r"#[0-9a-fA-F]{6}\Z")
+_ANALYTICS_LABEL = re.compile(r"[a-zA-Z0-9\-_.~%]{1,50}\Z")
+_NOTIFICATION_TEXTS = ("title", "body", "image")
+_PLATFORMS = ("android", "apns", "webpush")
 
 
 def _check_dict(message: object) -> Dict[str, Any]:
@@ -2327,7 +2499,11 @@ def _check_dict(message: object) -> Dict[str, Any]:
 
 
 def _check_message(message: object) -> Dict[str, Any]:
-    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix."""
+    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix.
+
+    Only what FCM is known to refuse is refused, and each check looks only at fields that
+    are present, so a typical message costs a few dict lookups more.
+    """
     message = _check_dict(message)
     targets = [name for name in _TARGETS if name in message]
     if len(targets) != 1:
@@ -2341,10 +2517,128 @@ def _check_message(message: object) -> Dict[str, Any]:
     if targets[0] == "topic":
         _check_topic(target)
     _check_data(message.get("data"), "data")
-    android = message.get("android")
-    if isinstance(android, dict):
-        _check_data(android.get("data"), "android.data")
+    notification = message.get("notification")
+    if notification is not None:
+        _check_texts(_check_section(notification, "notification"), "notification")
+    _check_fcm_options(message, "")
+    for platform in _PLATFORMS:
+        config = message.get(platform)
+        if config is not None:
+            _check_platform(platform, _check_section(config, platform))
     return message
+
+
+def _check_section(value: object, where: str) -> Dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError("message %s must be a dict, got %s" % (where, type(value).__name__))
+    return value
+
+
+def _check_texts(notification: Dict[str, Any], where: str) -> None:
+    """A notification's title, body and image are strings (FCM refuses numbers and the like)."""
+    for name in _NOTIFICATION_TEXTS:
+        value = notification.get(name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(
+                "message %s.%s must be a str, got %s; convert it, e.g. with str()"
+                % (where, name, type(value).__name__)
+            )
+
+
+def _check_platform(platform: str, config: Dict[str, Any]) -> None:
+    """The checks of one of android, apns or webpush."""
+    _check_fcm_options(config, platform + ".")
+    if platform == "android":
+        _check_android(config)
+        return
+    headers = config.get("headers")
+    if headers is not None:
+        _check_strings(headers, platform + ".headers")
+    if platform == "webpush":
+        _check_data(config.get("data"), "webpush.data")
+        _check_link(_either(config, "fcm_options", "fcmOptions"))
+
+
+def _check_android(android: Dict[str, Any]) -> None:
+    _check_data(android.get("data"), "android.data")
+    _check_priority(android.get("priority"), "android.priority")
+    ttl = android.get("ttl")
+    if ttl is not None:
+        _check_ttl(ttl)
+    notification = android.get("notification")
+    if notification is not None:
+        color = _check_section(notification, "android.notification").get("color")
+        _check_color(color, "android.notification.color")
+
+
+def _check_color(color: object, where: str) -> None:
+    if color is not None and not (isinstance(color, str) and _COLOR.match(color)):
+        raise ValueError(
+            'message %s must be #rrggbb, such as "#ff8800"; got %s' % (where, _shown(color))
+        )
+
+
+def _check_priority(priority: object, where: str) -> None:
+    if priority is not None and not (
+        isinstance(priority, str) and priority.lower() in _PRIORITIES
+    ):
+        raise ValueError(
+            'message %s must be "normal" or "high", got %s' % (where, _shown(priority))
+        )
+
+
+def _check_ttl(ttl: object) -> None:
+    if not (isinstance(ttl, str) and _TTL.match(ttl) and float(ttl[:-1]) <= MAX_TTL_SECONDS):
+        raise ValueError(
+            'message android.ttl must be a duration string of 0 to %d seconds, such as "3600s" '
+            'or "0.5s"; got %s' % (MAX_TTL_SECONDS, _shown(ttl))
+        )
+
+
+def _check_fcm_options(section: Dict[str, Any], where: str) -> None:
+    """An ``fcm_options.analytics_label`` (either spelling) matches FCM's pattern."""
+    options = _either(section, "fcm_options", "fcmOptions")
+    if options is None:
+        return
+    options = _check_section(options, where + "fcm_options")
+    label = _either(options, "analytics_label", "analyticsLabel")
+    if label is not None and not (isinstance(label, str) and _ANALYTICS_LABEL.match(label)):
+        raise ValueError(
+            "message %sfcm_options.analytics_label must be 1 to 50 of a-z A-Z 0-9 - _ . ~ %%; "
+            "got %s" % (where, _shown(label))
+        )
+
+
+def _check_link(options: object) -> None:
+    link = options.get("link") if isinstance(options, dict) else None
+    if link is not None and not (isinstance(link, str) and link[:8].lower() == "https://"):
+        raise ValueError(
+            "message webpush.fcm_options.link must be an https:// URL, got %s" % _shown(link)
+        )
+
+
+def _check_strings(values: object, where: str) -> None:
+    """A map of str to str, such as apns.headers."""
+    if not isinstance(values, dict):
+        raise TypeError("message %s must be a dict of str to str" % where)
+    for key, value in values.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(
+                "message %s[%s] must be a str, got %s; convert it, e.g. with str()"
+                % (where, _shown(key), type(value).__name__)
+            )
+
+
+def _either(section: Dict[str, Any], name: str, camel_case_name: str) -> Any:
+    """A field FCM takes under either spelling (proto3 JSON accepts both)."""
+    value = section.get(name)
+    return section.get(camel_case_name) if value is None else value
+
+
+def _shown(value: object) -> str:
+    """A short repr of a bad field value for an error message (never used on device tokens)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_topic(topic: str) -> None:
@@ -2372,6 +2666,60 @@ def _check_data(data: object, where: str) -> None:
             )
         if key in _RESERVED_DATA_KEYS or key.startswith(_RESERVED_DATA_PREFIXES):
             raise ValueError("message %s key %r is reserved by FCM; rename it" % (where, key))
+
+
+def _check_data_sizes(message: Dict[str, Any], body: bytes) -> None:
+    """Each data payload of a message is at most MAX_DATA_BYTES: keys and values in UTF-8.
+
+    That is what FCM counts for data; quotes, colons and the rest of the JSON are not
+    counted, so this never refuses what FCM takes. The encoded body is longer than any
+    payload in it, so only a body over the limit needs counting.
+    """
+    if len(body) <= MAX_DATA_BYTES:
+        return
+    sections = [(message, "data")]
+    for platform in ("android", "webpush"):
+        config = message.get(platform)
+        if isinstance(config, dict):
+            sections.append((config, platform + ".data"))
+    for section, where in sections:
+        data = section.get("data")
+        if isinstance(data, dict) and _data_size(data) > MAX_DATA_BYTES:
+            raise ValueError(
+                "message %s is %d bytes (its keys and values in UTF-8), but FCM takes at most "
+                "%d; send less, e.g. an id the app uses to fetch the rest"
+                % (where, _data_size(data), MAX_DATA_BYTES)
+            )
+
+
+def _data_size(data: Dict[Any, Any]) -> int:
+    """Bytes of a data payload's keys and values in UTF-8; a legacy non-str value as JSON."""
+    size = 0
+    for key, value in data.items():
+        text = value if isinstance(value, str) else _JSON_ENCODE(value)
+        size += len(str(key).encode("utf-8", "surrogatepass"))
+        size += len(text.encode("utf-8", "surrogatepass"))
+    return size
+
+
+def _check_legacy_message(message: object) -> Dict[str, Any]:
+    """Check a legacy message the way _check_message does, for the fields the two share."""
+    message = _check_dict(message)
+    _check_priority(message.get("priority"), "priority")
+    ttl = message.get("time_to_live")
+    if ttl is not None and (
+        isinstance(ttl, bool) or not isinstance(ttl, int) or not 0 <= ttl <= MAX_TTL_SECONDS
+    ):
+        raise ValueError(
+            "message time_to_live must be an int of 0 to %d seconds, got %s"
+            % (MAX_TTL_SECONDS, _shown(ttl))
+        )
+    notification = message.get("notification")
+    if notification is not None:
+        notification = _check_section(notification, "notification")
+        _check_texts(notification, "notification")
+        _check_color(notification.get("color"), "notification.color")
+    return message
 
 
 _JSON_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
@@ -2408,10 +2756,12 @@ class _LegacyAPI:
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
         """Path, body and target tokens of a push; TypeError/ValueError for a bad message."""
-        message = _check_dict(message)
+        message = _check_legacy_message(message)
         if validate_only:
             message = dict(message, dry_run=True)
-        return "/fcm/send", _encode_json(message), _legacy_tokens(message)
+        body = _encode_json(message)
+        _check_data_sizes(message, body)
+        return "/fcm/send", body, _legacy_tokens(message)
 
     def headers(self) -> Tuple[Dict[str, str], str]:
         return self._headers, ""
@@ -2438,7 +2788,9 @@ class _V1API:
         self.refreshable = credentials.refreshable
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
-        body = _encode_json(_check_message(message))
+        checked = _check_message(message)
+        body = _encode_json(checked)
+        _check_data_sizes(checked, body)
         tail = b',"validate_only":true}' if validate_only else b',"validate_only":false}'
         return self.project_path() + "/messages:send", b'{"message":' + body + tail, ()
 

@@ -8,14 +8,18 @@ the server processed.
 
 import base64
 import collections
+import concurrent.futures
 import contextlib
+import copy
 import datetime
 import email.utils
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import pathlib
+import pickle
 import random
 import re
 import selectors
@@ -1137,6 +1141,30 @@ class ErrorClassificationTest(unittest.TestCase):
         self.assertIs(type(error), andpush.ClientError)
         self.assertEqual(error.error_code, "NOT_FOUND")
 
+    def test_a_code_counts_only_from_the_fcm_error_detail(self) -> None:
+        fcm_type = "type.googleapis.com/google.firebase.fcm.v1.FcmError"
+        def answer(details: Any, status: Any = "NOT_FOUND") -> andpush.HTTPError:
+            body = {"error": {"code": 404, "message": "x", "status": status, "details": details}}
+            return andpush._http_error(response(404, body))
+        untyped = answer([{"errorCode": "UNREGISTERED"}])
+        self.assertIs(type(untyped), andpush.ClientError)
+        self.assertEqual(untyped.error_code, "NOT_FOUND")
+        other = answer([{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                         "errorCode": "UNREGISTERED", "reason": "UNREGISTERED"}])
+        self.assertIs(type(other), andpush.ClientError)
+        after_others = answer([{"@type": "type.googleapis.com/google.rpc.BadRequest"},
+                               {"@type": fcm_type, "errorCode": "UNREGISTERED"}])
+        self.assertIs(type(after_others), andpush.UnregisteredError)
+        self.assertEqual(after_others.error_code, "UNREGISTERED")
+
+    def test_a_status_counts_only_when_it_is_a_canonical_code(self) -> None:
+        for status in ["UNREGISTERED", ["NOT_FOUND"], {"a": 1}, 404, None]:
+            with self.subTest(status=status):
+                body = {"error": {"code": 404, "message": "x", "status": status}}
+                error = andpush._http_error(response(404, body))
+                self.assertIs(type(error), andpush.ClientError)
+                self.assertIsNone(error.error_code)
+
     def test_message_says_status_code_and_server_explanation(self) -> None:
         error = andpush._http_error(response(404, fcm_error(404, "UNREGISTERED", "gone").json))
         self.assertEqual(str(error), "HTTP 404 Reason (UNREGISTERED): gone")
@@ -1152,9 +1180,120 @@ class RetryAfterTest(unittest.TestCase):
         earlier = email.utils.formatdate(time.time() - 30, usegmt=True)
         self.assertEqual(andpush._retry_after(earlier), 0.0)
 
+    def test_all_three_rfc_9110_date_forms_give_the_same_time(self) -> None:
+        later = time.gmtime(int(time.time()) + 30)
+        forms = [
+            time.strftime("%a, %d %b %Y %H:%M:%S GMT", later),   # IMF-fixdate
+            time.strftime("%A, %d-%b-%y %H:%M:%S GMT", later),   # obsolete RFC 850
+            time.strftime("%a %b ", later) + "%2d" % later.tm_mday
+            + time.strftime(" %H:%M:%S %Y", later),               # asctime
+        ]
+        for form in forms:
+            with self.subTest(form):
+                self.assertAlmostEqual(andpush._retry_after(form) or 0, 30, delta=2)
+
+    def test_known_dates_in_each_form(self) -> None:
+        rfc_example = 784111777  # Sun, 06 Nov 1994 08:49:37 GMT, RFC 9110's example
+        for form in ("Sun, 06 Nov 1994 08:49:37 GMT", "Sunday, 06-Nov-94 08:49:37 GMT",
+                     "Sun Nov  6 08:49:37 1994"):
+            with self.subTest(form):
+                self.assertEqual(andpush._http_date(form), rfc_example)
+        self.assertEqual(andpush._http_date("Tue, 29 Feb 2000 00:00:00 GMT"), 951782400)
+        self.assertEqual(andpush._http_date("Fri, 31 Dec 9999 23:59:59 GMT"), 253402300799)
+
+    def test_a_two_digit_year_more_than_50_years_ahead_is_in_the_past(self) -> None:
+        this_year = time.gmtime().tm_year
+        ahead = (this_year + 60) % 100
+        when = andpush._http_date("Monday, 01-Jan-%02d 00:00:00 GMT" % ahead)
+        self.assertEqual(time.gmtime(when).tm_year, this_year + 60 - 100)
+
+    def test_what_is_not_an_ascii_number_or_a_real_date_is_absent(self) -> None:
+        for value in ["\u00b2", "1\u00b2", "\u0663", "-5", "1.5", "12 0", "120, 120", "",
+                      "Sun, 31 Feb 1994 08:49:37 GMT", "Sun, 06 Nov 1994 24:00:00 GMT",
+                      "Sun, 06 Nov 1994 08:49:37 +0000", "Sun, \u00b206 Nov 1994 08:49:37 GMT",
+                      "Sun Nov  6 08:49:37 \u0661\u0669\u0669\u0664", "Sun, 06 Nov 1994"]:
+            with self.subTest(value):
+                self.assertIsNone(andpush._retry_after(value))
+
+    def test_a_huge_delta_seconds_counts_as_2_to_the_31(self) -> None:
+        self.assertEqual(andpush._retry_after("9" * 5000), 2.0 ** 31)
+        self.assertEqual(andpush._retry_after("0000000000005"), 5.0)
+
     def test_http_error_carries_retry_after(self) -> None:
         error = andpush._http_error(response(503, b"", retry_after="7"))
         self.assertEqual(error.retry_after, 7.0)
+
+
+def every_public_error() -> List[andpush.Error]:
+    """One instance of each public exception class, with every attribute set."""
+    errors: List[andpush.Error] = []
+    for name in andpush.__all__:
+        cls = getattr(andpush, name)
+        if not (isinstance(cls, type) and issubclass(cls, andpush.Error)):
+            continue
+        if issubclass(cls, andpush.HTTPError):
+            answer = fcm_error(429, "QUOTA_EXCEEDED", "slow down", retry_after="7")
+            errors.append(cls(response(429, answer.json, retry_after="7")))
+        elif issubclass(cls, andpush.NetworkError):
+            errors.append(cls("connection reset", may_have_been_delivered=True))
+            errors.append(cls("refused", may_have_been_delivered=False))
+        else:
+            errors.append(cls("no credentials"))
+    return errors
+
+
+def raise_unregistered_error() -> None:
+    """Run in a worker process: fail the way a push to a deleted token fails."""
+    raise andpush._http_error(response(404, fcm_error(404, "UNREGISTERED").json))
+
+
+class ErrorCopyTest(unittest.TestCase):
+    """Errors cross process pools and result backends: pickle and copy keep all they say."""
+
+    def assertSameError(self, copied: BaseException, original: andpush.Error) -> None:
+        self.assertIs(type(copied), type(original))
+        self.assertEqual(str(copied), str(original))
+        self.assertEqual(copied.args, original.args)
+        for name in ("status_code", "error_code", "retry_after", "may_have_been_delivered"):
+            self.assertEqual(getattr(copied, name, None), getattr(original, name, None), name)
+        if isinstance(original, andpush.HTTPError):
+            assert isinstance(copied, andpush.HTTPError)
+            self.assertEqual(copied.response.status_code, original.response.status_code)
+            self.assertEqual(copied.response.reason, original.response.reason)
+            self.assertEqual(dict(copied.response.headers), dict(original.response.headers))
+            self.assertEqual(copied.response.body, original.response.body)
+            self.assertEqual(copied.response.json, original.response.json)
+
+    def test_every_public_error_survives_pickle_in_every_protocol(self) -> None:
+        for error in every_public_error():
+            for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+                with self.subTest(type(error).__name__, protocol=protocol):
+                    self.assertSameError(pickle.loads(pickle.dumps(error, protocol)), error)
+
+    def test_every_public_error_survives_copy_and_deepcopy(self) -> None:
+        for error in every_public_error():
+            with self.subTest(type(error).__name__):
+                self.assertSameError(copy.copy(error), error)
+                self.assertSameError(copy.deepcopy(error), error)
+
+    def test_a_response_pickles_as_plain_data_and_parses_its_json_again(self) -> None:
+        original = response(200, {"results": [{"error": "NotRegistered"}]}, x_id="1")
+        original._tokens = ("device-a",)
+        self.assertEqual(original.errors, {"device-a": "NotRegistered"})  # parsed once here
+        copied = pickle.loads(pickle.dumps(original))
+        self.assertEqual(copied.json, original.json)
+        self.assertEqual(copied.errors, {"device-a": "NotRegistered"})
+        self.assertEqual(copied.headers["X-Id"], "1")
+
+    def test_an_error_raised_in_a_process_pool_worker_reaches_the_caller(self) -> None:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else None)
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            future = pool.submit(raise_unregistered_error)
+            with self.assertRaises(andpush.UnregisteredError) as caught:
+                future.result(timeout=10)
+        self.assertEqual(caught.exception.status_code, 404)
+        self.assertEqual(caught.exception.error_code, "UNREGISTERED")
 
 
 class RetryPolicyTest(unittest.TestCase):
@@ -1770,6 +1909,25 @@ class PrivateKeyParsingTest(unittest.TestCase):
         for variant in variants:
             with self.subTest(variant=variant[:40]):
                 self.assertEqual(key_fields(_parse_private_key(variant)), expected)
+
+    def test_text_outside_the_block_is_skipped_as_rfc_7468_allows(self) -> None:
+        expected = key_fields(_parse_private_key(TEST_RSA_KEY_PKCS8_PEM))
+        variants = [
+            "Bag Attributes\n    friendlyName: fcm\nKey Attributes: <No Attributes>\n"
+            + TEST_RSA_KEY_PKCS8_PEM,
+            TEST_RSA_KEY_PKCS8_PEM + "Comment: issued for andpush tests\n",
+            "before\n" + TEST_RSA_KEY_PKCS1_PEM + "\nafter\n",
+        ]
+        for variant in variants:
+            with self.subTest(variant=variant[:30]):
+                self.assertEqual(key_fields(_parse_private_key(variant)), expected)
+
+    def test_a_second_block_is_refused_even_after_text(self) -> None:
+        for two in [TEST_RSA_KEY_PKCS8_PEM + "text\n" + TEST_RSA_KEY_PKCS8_PEM,
+                    "intro\n" + TEST_RSA_KEY_PKCS1_PEM + TEST_EC_KEY_PKCS8_PEM]:
+            with self.subTest(two=two[:10]):
+                with self.assertRaisesRegex(ValueError, "more than one PEM block"):
+                    _parse_private_key(two)
 
     def test_accepts_optional_pkcs8_forms(self) -> None:
         key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
@@ -2510,6 +2668,13 @@ class HPACKCrossCheckTest(unittest.TestCase):
 
 # The HTTP v1 API: credentials, tokens, errors, topics #######################################
 
+class _NoTransport:
+    """A transport for credentials that are never asked for a token."""
+
+    def close(self) -> None:
+        pass
+
+
 class V1TestCase(ServerTestCase):
     server_class = FakeGoogle
 
@@ -2532,6 +2697,17 @@ class V1SendTest(V1TestCase):
         self.assertEqual(send.path, "/v1/projects/%s/messages:send" % TEST_PROJECT)
         self.assertEqual(send.headers["authorization"], "Bearer " + self.server.issued[0])
         self.assertEqual(send.json, {"message": V1_MESSAGE, "validate_only": False})
+
+    def test_a_key_file_without_private_key_id_sends_no_kid(self) -> None:
+        info = service_account_info(self.server)
+        del info["private_key_id"]
+        assertion = andpush._ServiceAccount(info, lambda origin: _NoTransport()).assertion(1000)
+        header = json.loads(_b64url_decode(assertion.split(".")[0]))
+        self.assertEqual(header, {"alg": "RS256", "typ": "JWT"})
+        info["private_key_id"] = "abc123"
+        assertion = andpush._ServiceAccount(info, lambda origin: _NoTransport()).assertion(1000)
+        header = json.loads(_b64url_decode(assertion.split(".")[0]))
+        self.assertEqual(header, {"alg": "RS256", "typ": "JWT", "kid": "abc123"})
 
     def test_the_jwt_carries_the_claims_google_checks(self) -> None:
         self.v1_client().push(V1_MESSAGE)
@@ -2579,6 +2755,14 @@ class V1SendTest(V1TestCase):
         self.assertEqual([r.headers["authorization"] for r in self.server.requests],
                          ["Bearer fixed"] * 3)
 
+    def test_an_access_token_that_cannot_go_in_a_header_is_refused(self) -> None:
+        for bad in ["", "a\nb", "a\rb", "a\x00b", "a b", "caf\u00e9", "a\tb"]:
+            with self.subTest(bad=bad):
+                client = self.v1_client(credentials=None, access_token=bad, project_id="p")
+                with self.assertRaisesRegex(andpush.AuthError, "visible ASCII"):
+                    client.push(V1_MESSAGE)
+        self.assertEqual(self.server.processed, 0)
+
     def test_repr_names_the_api_only(self) -> None:
         client = self.v1_client()
         self.assertEqual(repr(client), "<andpush.Client v1 %s>" % self.server.endpoint)
@@ -2597,13 +2781,110 @@ class MessageValidationTest(unittest.TestCase):
             ({"token": "a", "data": {"from": "x"}}, ValueError, "reserved"),
             ({"token": "a", "data": {"google.x": "x"}}, ValueError, "reserved"),
             ({"token": "a", "android": {"data": {"ok": True}}}, TypeError, "android.data"),
-            ({"token": "a", "apns": {"headers": {1, 2}}}, TypeError, "serialisable"),
+            ({"token": "a", "apns": {"headers": {1, 2}}}, TypeError, "apns.headers must be a dict"),
         ]
         api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
         for message, error, pattern in table:
             with self.subTest(message=message):
                 with self.assertRaisesRegex(error, pattern):
                     api.prepare(message, False)
+
+    def test_fields_fcm_would_refuse_are_refused_with_what_to_fix(self) -> None:
+        big = {"k%d" % i: "v" * 100 for i in range(40)}  # 40 * (2 or 3 + 100) = 4,110 bytes
+        table: List[Tuple[Dict[str, Any], type, str]] = [
+            ({"notification": "hi"}, TypeError, "notification must be a dict"),
+            ({"notification": {"title": 5}}, TypeError, "notification.title must be a str"),
+            ({"notification": {"body": ["x"]}}, TypeError, "notification.body must be a str"),
+            ({"notification": {"image": b"x"}}, TypeError, "notification.image must be a str"),
+            ({"android": []}, TypeError, "android must be a dict"),
+            ({"android": {"priority": "urgent"}}, ValueError,
+             'android.priority must be "normal" or "high", got \'urgent\''),
+            ({"android": {"priority": 10}}, ValueError, "android.priority"),
+            ({"android": {"ttl": 3600}}, ValueError, 'android.ttl must be a duration.*"3600s"'),
+            ({"android": {"ttl": "3600"}}, ValueError, "android.ttl"),
+            ({"android": {"ttl": "-1s"}}, ValueError, "android.ttl"),
+            ({"android": {"ttl": "2419201s"}}, ValueError, "0 to 2419200 seconds"),
+            ({"android": {"ttl": "2419200.5s"}}, ValueError, "android.ttl"),
+            ({"android": {"ttl": "\u0663s"}}, ValueError, "android.ttl"),
+            ({"android": {"ttl": "1.1234567890s"}}, ValueError, "android.ttl"),
+            ({"android": {"notification": {"color": "red"}}}, ValueError,
+             "android.notification.color must be #rrggbb"),
+            ({"android": {"notification": {"color": "#ff00"}}}, ValueError, "#rrggbb"),
+            ({"fcm_options": {"analytics_label": "has space"}}, ValueError,
+             "fcm_options.analytics_label must be 1 to 50"),
+            ({"fcm_options": {"analytics_label": "x" * 51}}, ValueError, "analytics_label"),
+            ({"fcmOptions": {"analyticsLabel": "a/b"}}, ValueError, "analytics_label"),
+            ({"android": {"fcm_options": {"analytics_label": ""}}}, ValueError,
+             "android.fcm_options.analytics_label"),
+            ({"apns": {"fcm_options": {"analytics_label": "\u00e9"}}}, ValueError,
+             "apns.fcm_options.analytics_label"),
+            ({"webpush": {"fcm_options": {"analytics_label": 7}}}, ValueError,
+             "webpush.fcm_options.analytics_label"),
+            ({"apns": {"headers": {"apns-priority": 10}}}, TypeError,
+             r"apns.headers\['apns-priority'\] must be a str, got int"),
+            ({"webpush": {"headers": {"TTL": 60}}}, TypeError, r"webpush.headers\['TTL'\]"),
+            ({"webpush": {"fcm_options": {"link": "http://example.com"}}}, ValueError,
+             "webpush.fcm_options.link must be an https:// URL"),
+            ({"webpush": {"fcm_options": {"link": "/relative"}}}, ValueError, "https://"),
+            ({"data": big}, ValueError,
+             "message data is 41.. bytes .its keys and values in UTF-8., but FCM takes at most "
+             "4096"),
+            ({"data": {"k": "\u20ac" * 1366}}, ValueError, "data is 4099 bytes"),
+            ({"android": {"data": big}}, ValueError, "android.data is"),
+            ({"webpush": {"data": big}}, ValueError, "webpush.data is"),
+        ]
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        for fields, error, pattern in table:
+            with self.subTest(fields=str(fields)[:60]):
+                with self.assertRaisesRegex(error, pattern) as caught:
+                    api.prepare(dict(fields, token=TOKEN), False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+
+    def test_what_fcm_takes_is_let_through(self) -> None:
+        full = {"k%d" % i: "v" * 100 for i in range(39)}  # 39 * 103 + 1 = 4,018 bytes
+        full["k"] = "v" * (4096 - andpush._data_size(full) - 1)
+        self.assertEqual(andpush._data_size(full), 4096)
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        for fields in [
+            {"notification": {"title": "T", "body": "B", "image": "https://x/i.png"}},
+            {"notification": {"title": None}},
+            {"android": {"priority": "high", "ttl": "0s"}},
+            {"android": {"priority": "NORMAL", "ttl": "2419200s"}},
+            {"android": {"priority": "High", "ttl": "0.5s"}},
+            {"android": {"ttl": "3.123456789s", "notification": {"color": "#A0b1C2"}}},
+            {"fcm_options": {"analytics_label": "a-Z_0.9~%" + "x" * 41}},
+            {"fcmOptions": {"analyticsLabel": "campaign"}},
+            {"apns": {"headers": {"apns-priority": "10"}, "payload": {"aps": {"badge": 1}}}},
+            {"webpush": {"headers": {"TTL": "60"}, "fcm_options": {"link": "HTTPS://x.org/"}}},
+            {"data": full},
+        ]:
+            with self.subTest(fields=str(fields)[:60]):
+                api.prepare(dict(fields, token=TOKEN), False)
+
+    def test_legacy_messages_get_the_checks_of_the_fields_they_share(self) -> None:
+        api = andpush._LegacyAPI(SERVER_KEY)
+        big = {"k%d" % i: "v" * 100 for i in range(40)}
+        table: List[Tuple[Dict[str, Any], type, str]] = [
+            ({"priority": "urgent"}, ValueError, 'priority must be "normal" or "high"'),
+            ({"time_to_live": "3600"}, ValueError, "time_to_live must be an int of 0 to 2419200"),
+            ({"time_to_live": 2419201}, ValueError, "time_to_live"),
+            ({"time_to_live": -1}, ValueError, "time_to_live"),
+            ({"time_to_live": True}, ValueError, "time_to_live"),
+            ({"notification": {"title": 1}}, TypeError, "notification.title must be a str"),
+            ({"notification": {"color": "blue"}}, ValueError, "notification.color must be"),
+            ({"data": big}, ValueError, "data is 41.. bytes"),
+            ({"data": {"n": "x" * 4000, "list": list(range(40))}}, ValueError, "data is 4116 "),
+        ]
+        for fields, error, pattern in table:
+            with self.subTest(fields=str(fields)[:60]):
+                with self.assertRaisesRegex(error, pattern) as caught:
+                    api.prepare(dict(fields, to=TOKEN), False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+        for fields in [{"priority": "high", "time_to_live": 0}, {"time_to_live": 2419200},
+                       {"priority": "normal", "notification": {"color": "#ffffff"}},
+                       {"data": {"n": 1, "ok": True}}]:
+            with self.subTest(fields=fields):
+                api.prepare(dict(fields, to=TOKEN), False)
 
     def test_good_targets(self) -> None:
         api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
@@ -2732,6 +3013,20 @@ class TokenTest(V1TestCase):
         self.assertIn("clock", str(caught.exception))
         self.assertEqual(self.server.processed, 1)
 
+    def test_an_unusable_token_from_the_endpoint_is_refused_without_showing_it(self) -> None:
+        for bad in ["ya29.a\r\nX-Evil: 1", "ya29.a\nb", "ya29\x00a", "ya29 a", "ya29.\u00e9",
+                    "ya29.\u2028a", "ya29\x7fa"]:
+            with self.subTest(bad=bad):
+                self.server.inject(Reply(200, json={"access_token": bad, "expires_in": 3599}))
+                before = self.server.processed
+                with self.assertRaises(andpush.AuthError) as caught:
+                    self.v1_client().push(V1_MESSAGE)
+                message = str(caught.exception)
+                self.assertIn("the token endpoint sent an unusable access token", message)
+                self.assertNotIn(bad, message)
+                self.assertNotIn("ya29", message)
+                self.assertEqual(self.server.processed, before + 1)  # no send went out
+
     def test_token_endpoint_5xx_is_retried_briefly(self) -> None:
         self.server.inject(Reply(503, body=b""), Reply(500, body=b""))
         self.v1_client().push(V1_MESSAGE)
@@ -2842,6 +3137,20 @@ class ApplicationDefaultCredentialsTest(unittest.TestCase):
         self.assertEqual(self.metadata.requests[0].headers["metadata-flavor"], "Google")
         self.assertEqual(self.google.requests[-1].path,
                          "/v1/projects/metadata-project/messages:send")
+
+    def test_an_unusable_token_from_the_metadata_server_is_refused(self) -> None:
+        self.metadata.inject(Reply(200, json={"access_token": "ya29.a\r\nb", "expires_in": 60}))
+        with self.assertRaises(andpush.AuthError) as caught:
+            self.client(project_id="p").push(V1_MESSAGE)
+        self.assertIn("the metadata server sent an unusable access token", str(caught.exception))
+        self.assertNotIn("ya29", str(caught.exception))
+        self.assertEqual(self.google.processed, 0)
+
+    def test_a_project_id_that_is_not_text_is_an_auth_error(self) -> None:
+        self.metadata.inject(Reply(200, body=b"\xff\xfe"))  # the project id is asked first
+        with self.assertRaisesRegex(andpush.AuthError, "project id that is not UTF-8"):
+            self.client().push(V1_MESSAGE)
+        self.assertEqual(self.google.processed, 0)
 
     def test_nothing_found_says_what_was_tried(self) -> None:
         self.metadata.close()
