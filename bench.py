@@ -1,43 +1,33 @@
 """Benchmark andpush against a server we did not write: nginx on loopback.
 
-``python bench.py`` (a few minutes), ``--quick`` (a smoke run of well under a minute),
-``--rows NAME,...`` to pick rows (a name or part of one; ``--list`` shows them), ``--own-server``
-to use bench.py's own server even where nginx is installed. Needs no network and no credentials.
+``python bench.py`` (a few minutes), ``--quick`` (a smoke run), ``--rows NAME,...`` (names or
+parts of names; ``--list`` shows them), ``--own-server`` (bench.py's own server even where nginx
+is installed). No network, no credentials. Peers (pyfcm, firebase-admin) run when importable:
+run bench.py with the interpreter of a virtual environment that has them.
 
-Servers
-    nginx (``apt-get install nginx-light``), when installed: bench.py starts it in a temporary
-    folder of its own (config, pid file, logs, a throw-away CA and ECDSA P-256 certificate made
-    with the ``openssl`` command), one worker, HTTP/2 and HTTP/1.1 on one port (ALPN), at most 100
-    concurrent streams per connection, keep-alive limits no run reaches. It answers
-    ``POST /v1/projects/<p>/messages:send`` with ``{"name": "projects/<p>/messages/0:1"}`` and
-    ``POST /token`` (the peers' OAuth2 endpoint) with an access token. Its access log records
-    each request's connection number and protocol: that is where the ``proto`` and ``conns``
-    columns come from. Without nginx, bench.py says so on its first line and uses its own
-    one-thread server (HTTP/1.1 and a constant-answer HTTP/2); those figures do not count.
+nginx (``apt-get install nginx-light``) is started in a temporary folder of its own (config,
+pid file, logs, a throw-away CA and ECDSA P-256 certificate made with ``openssl``) and stopped
+at exit: one worker, HTTP/2 and HTTP/1.1 on one port (ALPN), 100 concurrent streams a
+connection as FCM, keep-alive limits no run reaches. It answers ``POST
+/v1/projects/<p>/messages:send`` with ``{"name": "projects/<p>/messages/0:1"}`` and ``POST
+/token`` (the peers' OAuth2 endpoint) with a token, and logs each request's connection and
+protocol: the ``proto`` and ``conns`` columns. Without nginx, bench.py says so on its first
+line and uses a small one-thread server of its own; those figures do not count.
 
-The relay
-    Rows marked ``50 ms`` go through a relay, a process of its own (one thread, a selector and a
-    timer heap), that holds every chunk of bytes 25 ms in each direction, and the first bytes of
-    a connection one round trip longer (the TCP handshake a client pays before it can send): so
-    TCP and TLS handshakes cost what they cost against FCM. The round trip through it is
-    measured (median of sequential HTTP/1.1 requests on a kept-alive connection) and is the
-    ``RTT`` of every ideal. Row ``relay-ceiling`` measures what it carries (pipelined raw
-    requests through it): it must stay far above the rows' ideals.
+Rows marked ``(50 ms)`` go through a relay (a process of its own: one thread, a selector, a
+timer heap) that holds bytes 25 ms each way, and a connection's first bytes a round trip more
+(the TCP handshake): handshakes cost what they cost against FCM. The round trip through it,
+measured first (median of sequential requests on a kept-alive connection), is the ``RTT`` of
+the ideals (concurrency / RTT). Row ``relay-ceiling`` drives a raw client through it: its
+msg/s over the relay's share of a core (what the relay could carry) must be 3x the top ideal.
 
-Columns
-    Each row runs in a child process of its own (a new interpreter, a new client); the relay
-    and the server run in other processes, so ``CPU/1k`` (the child's ``time.process_time()``
-    over the timed part, all threads, per 1,000 messages) is the client's own. ``msg/s`` is the
-    timed messages over the timed wall time (connection set-up included where the row says
-    "new client"). ``ratio`` is ``msg/s`` over the row's floor (the raw-socket row) or its ideal
-    (concurrency / RTT). ``srv/relay`` is the share of a core the server's worker and the relay
-    used while the row's process ran: near 100% means the row measured them, not the client.
-    ``target`` lists the row's targets (all in ROWS below); ``met`` says whether all were met.
-
-Peers (pyfcm, firebase-admin) run only when importable (for example from a virtual environment
-with them installed: run bench.py with its interpreter); both are pointed at the local server
-by patching the URL constant they keep, and trust the throw-away CA through
-``REQUESTS_CA_BUNDLE``.
+Each row runs in a child process (a new interpreter and client); server and relay run in
+others. ``msg/s``: successes over the timed wall time. ``CPU/1k``: the child's
+``time.process_time()`` (all threads) over the timed part, per 1,000 messages. ``ratio``: to
+the ideal, or to the floor (raw requests on one kept-alive TLS socket), which such a row runs
+itself, taking turns with it slice by slice so that other load hits both alike.
+``srv/relay``: the share of a core the server's worker and the relay used meanwhile (near
+100%: the row measured them). ``target``: the row's targets, all in ROWS below.
 """
 
 import argparse
@@ -61,17 +51,18 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECT = "p"
-SEND_PATH = "/v1/projects/%s/messages:send" % PROJECT
+FLOOR_PROJECT = "floor"  #: the project of a row's own floor requests, told apart in the log
 V1_BODY = b'{"name": "projects/p/messages/0:1"}'
 TOKEN_BODY = b'{"access_token": "bench-token", "expires_in": 3600, "token_type": "Bearer"}'
 DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
 ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
 RTT_SAMPLES = 9  #: sequential requests whose median is the measured round trip
 IMPORT_SAMPLES = 10  #: interpreter starts whose median is an import time
+FLOOR_SLICES = 5  #: a row compared with the floor takes turns with it this many times
 CEILING_CONNECTIONS = 50  #: relay-ceiling: connections through the relay ...
 CEILING_DEPTH = 100  #: ... each with this many pipelined requests in flight
 H2_STREAMS = 100  #: the server's SETTINGS_MAX_CONCURRENT_STREAMS, as FCM's
@@ -85,29 +76,30 @@ START_DEADLINE = 10  #: seconds a server or the relay may take to listen
 
 @dataclass(frozen=True)
 class Row:
-    """One benchmark row: what its child process runs, and what it must reach."""
+    """One row: what its child process runs, and the targets it must reach."""
 
     name: str
-    kind: str  # the runner: floor, push, threads, many, ceiling, import, or a peer's
+    kind: str  # what runs it: a key of SETUPS, or "import"
     title: str
     count: int = 0  # messages timed (per batch)
     quick: int = 0  # the same with --quick
     relayed: bool = False  # through the 50 ms relay
-    http2: bool = True  # andpush.new(http2=...)
-    concurrency: int = 1  # threads or push_many's concurrency; the ideal is concurrency / RTT
-    warm: int = 0  # messages sent untimed first, on the same client
+    http2: bool = True  # andpush.new(http2=...); the protocol the server must see
+    concurrency: int = 1  # threads or push_many's concurrency: the ideal is concurrency / RTT
+    warm: int = 0  # messages push_many sends first, untimed, on the same client
     batches: int = 1
-    base: str = ""  # "floor" or "ideal": what ``ratio`` divides by
+    base: str = ""  # what ``ratio`` divides by: "floor" or "ideal"
     min_ratio: Optional[float] = None
     max_cpu: Optional[float] = None  # client CPU seconds per 1,000 messages
     cpu_at_most_row: str = ""  # CPU per message no more than that row's
     max_conns: Optional[int] = None
-    min_rate: Optional[float] = None
-    max_relay_share: Optional[float] = None  # of a core, while the row runs
+    min_rate: Optional[float] = None  # messages per second
+    min_relay_headroom: Optional[float] = None  # msg/s / relay's CPU share, over the ideal
+    module: str = ""  # what an import row imports, or a peer row needs
     max_ms: Optional[float] = None  # import rows
-    module: str = ""  # import rows
 
 
+FBADMIN, PYFCM = "firebase_admin", "pyfcm"
 ROWS = [
     Row("floor", "floor", "raw socket, sequential HTTP/1.1, one kept-alive TLS socket",
         count=5000, quick=1000, http2=False),
@@ -115,9 +107,9 @@ ROWS = [
         http2=False, base="floor", min_ratio=0.6),
     Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, quick=1000, base="floor",
         cpu_at_most_row="push-h1"),
-    Row("relay-ceiling", "ceiling", "relay ceiling: raw pipelined HTTP/1.1, %d conns x %d"
+    Row("relay-ceiling", "ceiling", "raw pipelined HTTP/1.1 through the relay, %d conns x %d"
         % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, quick=40_000, relayed=True,
-        http2=False, concurrency=700, base="ideal", min_ratio=1.5, max_relay_share=0.5),
+        http2=False, concurrency=700, base="ideal", min_relay_headroom=3.0),
     Row("threads-100", "threads", "push() from 100 threads, new client", count=4000, quick=1000,
         relayed=True, concurrency=100, base="ideal", min_ratio=0.9, max_conns=2, max_cpu=0.08),
     Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
@@ -141,36 +133,34 @@ ROWS = [
         count=10_000, quick=2000, relayed=True, http2=False, concurrency=200, base="ideal",
         min_ratio=0.9, max_cpu=0.10),
     Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, quick=200,
-        http2=False, base="floor"),
+        http2=False, base="floor", module=PYFCM),
     Row("fbadmin-send", "fbadmin-send", "peer: firebase-admin messaging.send() sequential",
-        count=1000, quick=200, http2=False, base="floor"),
-    Row("fbadmin-send_each", "fbadmin-each", "peer: firebase-admin send_each, chunks of 500",
-        count=2000, quick=1000, relayed=True, http2=False, concurrency=100, base="ideal"),
+        count=1000, quick=200, http2=False, base="floor", module=FBADMIN),
+    Row("fbadmin-each", "fbadmin-each", "peer: firebase-admin send_each, chunks of 500",
+        count=2000, quick=1000, relayed=True, http2=False, concurrency=100, base="ideal",
+        module=FBADMIN),
     Row("import-andpush", "import", "import andpush (cached bytecode, median of 10)",
         module="andpush", max_ms=40),
-    Row("import-pyfcm", "import", "import pyfcm", module="pyfcm"),
+    Row("import-pyfcm", "import", "import pyfcm", module=PYFCM),
     Row("import-fbadmin", "import", "import firebase_admin.messaging",
-        module="firebase_admin.messaging"),
+        module=FBADMIN + ".messaging"),
 ]
-PEER_MODULES = {"pyfcm": "pyfcm", "fbadmin-send": "firebase_admin",
-                "fbadmin-each": "firebase_admin"}
+PIP_NAMES = {PYFCM: "pyfcm", FBADMIN: "firebase-admin"}
 
 
-def missing_module(row: Row) -> str:
-    """The module a row needs that is not importable here, or ""."""
-    module = row.module if row.kind == "import" else PEER_MODULES.get(row.kind, "")
-    if module and importlib.util.find_spec(module.split(".")[0]) is None:
-        return module.split(".")[0]
-    return ""
+def missing_package(row: Row) -> str:
+    """The pip name of what a row needs and cannot import here, or ""."""
+    top = row.module.split(".")[0]
+    return PIP_NAMES.get(top, top) if top and importlib.util.find_spec(top) is None else ""
 
 
-# Processes this run starts, and stops whatever happens #########################################
+# Processes this run starts, stopped whatever happens ###########################################
 
-_children: List["subprocess.Popen[bytes]"] = []
+_helpers: List["subprocess.Popen[bytes]"] = []
 
 
 def _die_with_parent() -> None:
-    """In a child, before exec: be sent SIGTERM if bench.py dies, even by SIGKILL (Linux)."""
+    """In a helper, before exec: get SIGTERM when bench.py dies, even by SIGKILL (Linux)."""
     try:
         import ctypes
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -178,55 +168,40 @@ def _die_with_parent() -> None:
         pass
 
 
-def start(argv: List[str], **kwargs: Any) -> "subprocess.Popen[bytes]":
-    """Start a long-lived helper process (server, relay), remembered so that it is stopped."""
-    process = subprocess.Popen(argv, preexec_fn=_die_with_parent, **kwargs)
-    _children.append(process)
-    return process
+def start(argv: List[str], what: str, port: int = 0) -> Tuple["subprocess.Popen[bytes]", int]:
+    """Start a helper (server, relay), remembered so that it is stopped; wait until it
+    listens on ``port``, or read the port it prints on its first line."""
+    helper = subprocess.Popen(argv, stdout=subprocess.DEVNULL if port else subprocess.PIPE,
+                              stderr=subprocess.DEVNULL if port else None,
+                              preexec_fn=_die_with_parent)
+    _helpers.append(helper)
+    deadline = time.monotonic() + START_DEADLINE
+    if not port:
+        assert helper.stdout is not None
+        with selectors.DefaultSelector() as ready:
+            ready.register(helper.stdout, selectors.EVENT_READ)
+            line = helper.stdout.readline() if ready.select(START_DEADLINE) else b""
+        if line.strip().isdigit():
+            return helper, int(line)
+    while port and time.monotonic() < deadline and helper.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return helper, port
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("%s did not start (exit status %s)" % (what, helper.poll()))
 
 
 def stop_all() -> None:
-    while _children:
-        process = _children.pop()
-        if process.poll() is None:
-            process.terminate()
+    while _helpers:
+        helper = _helpers.pop()
+        if helper.poll() is None:
+            helper.terminate()
             try:
-                process.wait(5)
+                helper.wait(5)
             except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def read_port(process: "subprocess.Popen[bytes]", what: str) -> int:
-    """The port a helper prints on its first line (it is listening by then)."""
-    assert process.stdout is not None
-    ready = selectors.DefaultSelector()
-    ready.register(process.stdout, selectors.EVENT_READ)
-    if not ready.select(START_DEADLINE):
-        raise RuntimeError("%s did not start within %d s" % (what, START_DEADLINE))
-    line = process.stdout.readline()
-    if not line.strip().isdigit():
-        raise RuntimeError("%s did not start: %r" % (what, line))
-    return int(line)
-
-
-def wait_listening(port: int, process: "subprocess.Popen[bytes]", what: str) -> None:
-    deadline = time.monotonic() + START_DEADLINE
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("%s exited with status %s" % (what, process.returncode))
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("%s is not listening on port %d" % (what, port))
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+                helper.kill()
+                helper.wait()
 
 
 def cpu_seconds(pid: int) -> Optional[float]:
@@ -237,14 +212,6 @@ def cpu_seconds(pid: int) -> Optional[float]:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def child_pids(parent: int) -> List[int]:
-    try:
-        with open("/proc/%d/task/%d/children" % (parent, parent)) as f:
-            return [int(pid) for pid in f.read().split()]
-    except OSError:
-        return []
 
 
 # Certificates ##################################################################################
@@ -259,16 +226,15 @@ authorityKeyIdentifier = keyid:always
 
 
 def make_certificates(folder: str, rsa_key: bool) -> Dict[str, str]:
-    """A throw-away CA, a server certificate for 127.0.0.1 signed by it (valid on 3.8 to 3.13
-    with strict verification), and with ``rsa_key`` an RSA key for the peers' service account.
-    Without the openssl command: the test certificates embedded in test_andpush.py."""
+    """A throw-away CA and a server certificate for 127.0.0.1 that it signed (valid on 3.8 to
+    3.13, strict verification included), and with ``rsa_key`` an RSA key for the peers'
+    service account. Without the openssl command: the test PEMs of test_andpush.py."""
     paths = {name: os.path.join(folder, name) for name in ("ca.pem", "cert.pem", "key.pem",
                                                            "rsa.pem")}
     if shutil.which("openssl") is None:
         import test_andpush as t
-        for name, text in (("ca.pem", t.TEST_CA_PEM), ("cert.pem", t.TEST_SERVER_CERT_PEM),
-                           ("key.pem", t.TEST_SERVER_KEY_PEM),
-                           ("rsa.pem", t.TEST_RSA_KEY_PKCS8_PEM)):
+        for name, text in zip(paths, (t.TEST_CA_PEM, t.TEST_SERVER_CERT_PEM,
+                                      t.TEST_SERVER_KEY_PEM, t.TEST_RSA_KEY_PKCS8_PEM)):
             with open(paths[name], "w") as f:
                 f.write(text)
         return paths
@@ -285,10 +251,8 @@ def make_certificates(folder: str, rsa_key: bool) -> Dict[str, str]:
         ["req", "-new", "-key", paths["key.pem"], "-subj", "/CN=localhost", "-out", csr],
         ["x509", "-req", "-in", csr, "-CA", paths["ca.pem"], "-CAkey", ca_key,
          "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", paths["cert.pem"]],
-    ]
-    if rsa_key:
-        commands.append(["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
-                         "-out", paths["rsa.pem"]])
+    ] + [["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
+          "-out", paths["rsa.pem"]]] * rsa_key
     for command in commands:
         subprocess.run(["openssl", *command], check=True, capture_output=True)
     return paths
@@ -326,20 +290,16 @@ http {{
 """
 
 
-def nginx_version(nginx: str) -> Tuple[int, ...]:
-    text = subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr
-    found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", text)
-    return tuple(int(part) for part in found.groups()) if found else (0, 0, 0)
-
-
 def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, int, str]:
-    """Start nginx on a free loopback port; its port, master pid and access log path."""
-    version = nginx_version(nginx)
+    """Start nginx on a free loopback port: its port, its worker's pid, its access log."""
     built = subprocess.run([nginx, "-V"], capture_output=True, text=True).stderr
+    found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", built)
     temp = ["client_body"] + [m for m in ("proxy", "fastcgi", "uwsgi", "scgi")
                               if "--without-http_%s_module" % m not in built]
-    modern = version >= (1, 25, 1)  # "http2 on;" replaced "listen ... http2"
-    port = free_port()
+    modern = found is not None and tuple(map(int, found.groups())) >= (1, 25, 1)
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
     config = os.path.join(folder, "nginx.conf")
     with open(config, "w") as f:
         f.write(NGINX_CONFIG.format(
@@ -347,21 +307,20 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
             user="user root;" if os.geteuid() == 0 else "", streams=H2_STREAMS,
             temp_paths=" ".join("%s_temp_path %s/%s;" % (m, folder, m) for m in temp),
             keepalive_requests=KEEPALIVE_REQUESTS, keepalive_seconds=KEEPALIVE_SECONDS,
-            listen_http2="" if modern else " http2", http2_on="http2 on;" if modern else "",
-            token=TOKEN_BODY.decode()))
-    process = start([nginx, "-p", folder, "-c", config, "-e", folder + "/error.log"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            listen_http2="" if modern else " http2",  # "http2 on;" is nginx 1.25.1's
+            http2_on="http2 on;" if modern else "", token=TOKEN_BODY.decode()))
     try:
-        wait_listening(port, process, "nginx")
+        master, _ = start([nginx, "-p", folder, "-c", config, "-e", folder + "/error.log"],
+                          "nginx", port)
     except RuntimeError:
         with open(os.path.join(folder, "error.log")) as f:
             raise RuntimeError("nginx did not start:\n" + f.read()[-2000:]) from None
-    return port, process.pid, os.path.join(folder, "access.log")
-
-
-def nginx_worker(master: int) -> int:
-    workers = child_pids(master)
-    return workers[0] if workers else master
+    try:
+        with open("/proc/%d/task/%d/children" % (master.pid, master.pid)) as f:
+            worker = int(f.read().split()[0])
+    except (OSError, IndexError):
+        worker = master.pid
+    return port, worker, os.path.join(folder, "access.log")
 
 
 # bench.py's own server (only without nginx) ####################################################
@@ -618,8 +577,6 @@ def relay(upstream_port: int, delay: float) -> None:
 MESSAGE = {"token": DEVICE_TOKEN,
            "notification": {"title": "Benchmark", "body": "andpush benchmark push"},
            "data": {"kind": "bench", "id": "0"}}
-FLOOR_PROJECT = "floor"  # the project of a row's own floor requests, told apart in the log
-FLOOR_SLICES = 5  # a row compared with the floor takes turns with it this many times
 
 
 def messages(count: int) -> Iterator[Dict[str, Any]]:
@@ -684,7 +641,7 @@ class RawConnection:
             tally.call(self.exchange)
 
 
-def pipeline(connections: List[RawConnection], count: int, tally: Tally) -> None:
+def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None:
     """Send ``count`` requests over the connections, CEILING_DEPTH in flight on each."""
     each = count // len(connections)
     selector = selectors.DefaultSelector()
@@ -735,7 +692,7 @@ def setup_ceiling(row: Row, port: int, cafile: str) -> Work:
     with concurrent.futures.ThreadPoolExecutor(CEILING_CONNECTIONS) as pool:  # handshakes
         connections = list(pool.map(lambda _: RawConnection(port, cafile),
                                     range(CEILING_CONNECTIONS)))
-    return (lambda tally, count: pipeline(connections, count, tally),
+    return (lambda tally, count: pipeline(connections, tally, count),
             lambda: [c.sock.close() for c in connections])
 
 
@@ -769,17 +726,19 @@ def setup_threads(row: Row, port: int, cafile: str) -> Work:
 
 def setup_many(row: Row, port: int, cafile: str) -> Work:
     client = andpush_client(row, port, cafile)
-
-    def work(tally: Tally, count: int) -> None:
-        for _ in range(row.batches):
-            for outcome in client.push_many(messages(count), concurrency=row.concurrency):
-                tally.add(outcome)
     warm = Tally()
     for outcome in client.push_many(messages(row.warm), concurrency=row.concurrency):
         warm.add(outcome)
     if warm.failed:
         raise RuntimeError("warm-up failed: " + warm.first_error)
+
+    def work(tally: Tally, count: int) -> None:
+        for _ in range(row.batches):
+            for outcome in client.push_many(messages(count), concurrency=row.concurrency):
+                tally.add(outcome)
     return work, client.close
+
+
 def service_account(port: int, rsa_key: str) -> Dict[str, str]:
     with open(rsa_key) as f:
         key = f.read()
@@ -833,7 +792,7 @@ def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
 
     def send(tally: Tally, count: int) -> None:
         for _ in range(count):
-            tally.call(messaging.send, message, app)
+            tally.call(lambda: messaging.send(message, app=app))
 
     def send_each(tally: Tally, count: int) -> None:
         for start_at in range(0, count, 500):
@@ -852,25 +811,21 @@ SETUPS: Dict[str, Callable[..., Work]] = {
 
 
 def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Dict[str, Any]:
-    """Set a row's client up, time its work, and say how it went (printed as JSON).
-
-    A row compared with the floor takes turns with a floor of its own, slice by slice, so
-    that the machine's other load hits both alike."""
+    """Set a row's client up, time its work (taking turns with a floor of its own when it is
+    compared with the floor), and say how it went: printed as JSON for the parent."""
     count = row.quick if quick else row.count
-    sides = {"row": SETUPS[row.kind](row, port, cafile, *(
-        (rsa_key,) if row.kind in PEER_MODULES else ()))}
+    sides = {"row": SETUPS[row.kind](row, port, cafile, *[rsa_key] * bool(row.module))}
     if row.base == "floor":
         sides["floor"] = setup_floor(row, port, cafile, FLOOR_PROJECT)
     slices = FLOOR_SLICES if row.base == "floor" else 1
-    report: Dict[str, Any] = {}
+    report: Dict[str, Any] = collections.defaultdict(float)
     tallies = {side: Tally() for side in sides}
     for _ in range(slices):
         for side, (work, _) in sides.items():
             wall, cpu = time.perf_counter(), time.process_time()
             work(tallies[side], count // slices)
-            report[side + "_seconds"] = report.get(side + "_seconds", 0) + (
-                time.perf_counter() - wall)
-            report[side + "_cpu"] = report.get(side + "_cpu", 0) + time.process_time() - cpu
+            report[side + "_seconds"] += time.perf_counter() - wall
+            report[side + "_cpu"] += time.process_time() - cpu
     for side, (_, clean_up) in sides.items():
         clean_up()
         report.update({side + "_ok": tallies[side].ok, side + "_failed": tallies[side].failed,
@@ -881,32 +836,26 @@ def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Di
 # Running the rows, the table ###################################################################
 
 @dataclass
-class Result:
-    row: Row
-    server: str = "-"
-    protocol: str = "-"
-    conns: str = "-"
-    figure: str = "-"  # msg/s, or ms for an import
-    rate: Optional[float] = None
-    ratio: str = "-"
-    cpu: Optional[float] = None  # seconds per 1,000 messages
-    shares: str = "-"
-    checks: Tuple[Tuple[str, bool], ...] = ()
-    note: str = ""
-
-
-@dataclass
 class Setting:
     """What the rows run against."""
 
-    server: str
+    server: str  # "nginx" or "own"
     port: int
     relay_port: int
-    server_pid: int
+    server_pid: int  # nginx's worker
     relay_pid: int
-    log: str
+    log: str  # lines of "connection protocol path"
     certs: Dict[str, str]
     rtt: float = 0.0
+
+
+@dataclass
+class Result:
+    row: Row
+    cells: Tuple[str, ...] = ("-",) * 7  # server, proto, conns, msg/s, ratio, CPU/1k, srv/relay
+    cpu: Optional[float] = None  # seconds per 1,000 messages
+    checks: Tuple[Tuple[str, bool], ...] = ()  # (target, met)
+    note: str = ""
 
 
 def measure_rtt(port: int, cafile: str) -> float:
@@ -920,30 +869,16 @@ def measure_rtt(port: int, cafile: str) -> float:
     return statistics.median(samples)
 
 
-def protocols(lines: List[str]) -> Tuple[str, int, Set[str]]:
-    """From a row's lines of the server's log: protocol text, connections, protocols."""
-    counts = collections.Counter(line.split()[1] for line in lines)
-    names = {"HTTP/2.0": "h2", "HTTP/1.1": "http/1.1"}
-    text = "+".join(names.get(p, p) + ("" if len(counts) == 1 else " %d" % n)
-                    for p, n in sorted(counts.items()))
-    return text or "-", len({line.split()[0] for line in lines}), set(counts)
-
-
 def cpu_share(pid: int, before: Optional[float], seconds: float) -> Optional[float]:
     after = cpu_seconds(pid)
     return None if before is None or after is None else (after - before) / seconds
 
 
-def percent(value: Optional[float]) -> str:
-    return "-" if value is None else "%d%%" % (100 * value)
-
-
 def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) -> Result:
     """Run a row in a child process and judge it against its targets."""
     result = Result(row)
-    missing = missing_module(row)
-    if missing:
-        result.note = "not installed (pip install %s)" % missing
+    if missing_package(row):
+        result.note = "not installed (pip install %s)" % missing_package(row)
         return result
     if row.kind == "import":
         return import_row(row, result)
@@ -960,48 +895,46 @@ def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) ->
         child = subprocess.run(command, capture_output=True, text=True, env=env, cwd=HERE,
                                timeout=CHILD_DEADLINE)
     except subprocess.TimeoutExpired:
-        result.note = "killed after %d s" % CHILD_DEADLINE
+        result.note = "failed: killed after %d s" % CHILD_DEADLINE
         return result
     seconds = time.perf_counter() - started
-    result.server = setting.server
-    server_share = cpu_share(setting.server_pid, before[0], seconds)
-    relay_share = cpu_share(setting.relay_pid, before[1], seconds) if row.relayed else None
-    result.shares = "%s/%s" % (percent(server_share), percent(relay_share))
+    shares = cpu_share(setting.server_pid, before[0], seconds), (
+        cpu_share(setting.relay_pid, before[1], seconds) if row.relayed else None)
     if child.returncode:
         result.note = "failed: " + (child.stderr.strip().splitlines() or ["?"])[-1][:200]
         return result
     report = json.loads(child.stdout.strip().splitlines()[-1])
-    with open(setting.log, "rb") as f:
+    with open(setting.log, "rb") as f:  # the row's requests, not its floor's
         f.seek(offset)
-        own_floor = "/projects/%s/" % FLOOR_PROJECT
-        lines = [line for line in f.read().decode().splitlines() if own_floor not in line]
-    result.protocol, conns, seen = protocols(lines)
-    result.conns = str(conns)
-    result.rate = report["row_ok"] / report["row_seconds"]
-    result.figure = "{:,.0f}".format(result.rate)
+        lines = [line.split() for line in f.read().decode().splitlines()
+                 if "/projects/%s/" % FLOOR_PROJECT not in line]
+    protocols = collections.Counter(line[1] for line in lines)
+    conns = len({line[0] for line in lines})
+    rate = report["row_ok"] / report["row_seconds"]
     result.cpu = 1000 * report["row_cpu"] / max(report["row_ok"] + report["row_failed"], 1)
     base = (row.concurrency / setting.rtt if row.base == "ideal" else
             report["floor_ok"] / report["floor_seconds"] if row.base == "floor" else None)
-    checks: List[Tuple[str, bool]] = []
-    if base:
-        ratio = result.rate / base
-        result.ratio = "%.2f %s" % (ratio, row.base)
-        if row.min_ratio is not None:
-            checks.append((">=%g %s" % (row.min_ratio, row.base), ratio >= row.min_ratio))
-    if seen != {"HTTP/2.0" if row.http2 else "HTTP/1.1"}:
-        checks.append(("all %s" % ("h2" if row.http2 else "http/1.1"), False))
+    result.cells = (setting.server, "+".join(
+        {"HTTP/2.0": "h2"}.get(p, p.lower()) + ("" if len(protocols) == 1 else " %d" % n)
+        for p, n in sorted(protocols.items())) or "-", str(conns), "{:,.0f}".format(rate),
+        "%.2f %s" % (rate / base, row.base) if base else "-", "%.3f" % result.cpu,
+        "/".join("-" if s is None else "%d%%" % (100 * s) for s in shares))
+    checks = [("all %s" % ("h2" if row.http2 else "http/1.1"), False)] * (
+        set(protocols) != {"HTTP/2.0" if row.http2 else "HTTP/1.1"})
+    if base and row.min_ratio is not None:
+        checks.append((">=%g %s" % (row.min_ratio, row.base), rate / base >= row.min_ratio))
     if row.max_conns is not None:
         checks.append(("conns<=%d" % row.max_conns, conns <= row.max_conns))
     if row.min_rate is not None:
-        checks.append((">={:,.0f}/s".format(row.min_rate), result.rate >= row.min_rate))
+        checks.append((">={:,.0f}/s".format(row.min_rate), rate >= row.min_rate))
     if row.max_cpu is not None:
         checks.append(("CPU<=%g" % row.max_cpu, result.cpu <= row.max_cpu))
     other = done.get(row.cpu_at_most_row)
     if other is not None and other.cpu is not None:
         checks.append(("CPU<=%s's" % other.row.name, result.cpu <= other.cpu))
-    if row.max_relay_share is not None and relay_share is not None:
-        checks.append(("relay<=%s" % percent(row.max_relay_share),
-                       relay_share <= row.max_relay_share))
+    if base and row.min_relay_headroom is not None and shares[1]:  # the relay's capacity
+        checks.append(("relay cap>=%gx ideal" % row.min_relay_headroom,
+                       rate / shares[1] / base >= row.min_relay_headroom))
     for side in ("row", "floor"):
         if report.get(side + "_failed"):
             checks.append(("no failures", False))
@@ -1021,7 +954,7 @@ def import_row(row: Row, result: Result) -> Result:
     runs = [float(subprocess.run(command, capture_output=True, text=True, check=True, cwd=HERE)
                   .stdout) for _ in range(IMPORT_SAMPLES + 1)][1:]  # the first caches bytecode
     milliseconds = 1000 * statistics.median(runs)
-    result.figure = "%.1f ms" % milliseconds
+    result.cells = ("-",) * 3 + ("%.1f ms" % milliseconds,) + ("-",) * 3
     if row.max_ms is not None:
         result.checks = (("<=%g ms" % row.max_ms, milliseconds <= row.max_ms),)
     return result
@@ -1032,9 +965,7 @@ COLUMNS = ("row", "server", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/r
 
 
 def table(results: List[Result]) -> str:
-    rows = [COLUMNS] + [(
-        r.row.name + (" (50 ms)" if r.row.relayed else ""), r.server, r.protocol, r.conns,
-        r.figure, r.ratio, "-" if r.cpu is None else "%.3f" % r.cpu, r.shares,
+    rows = [COLUMNS] + [(r.row.name + " (50 ms)" * r.row.relayed,) + r.cells + (
         " ".join(text for text, _ in r.checks) or "-",
         ("met" if all(ok for _, ok in r.checks) else "MISSED") if r.checks else "-",
     ) for r in results]
@@ -1048,28 +979,27 @@ def table(results: List[Result]) -> str:
 
 
 def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
+    """nginx (or the own server), the relay in front of it, and the round trip through it."""
     nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+    me = [sys.executable, os.path.abspath(__file__)]
     if nginx and not own:
-        port, master, log = start_nginx(nginx, folder, certs)
-        pid, server = nginx_worker(master), "nginx"
-        print("server: nginx %s (one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
-              % (".".join(map(str, nginx_version(nginx))), port), flush=True)
+        port, pid, log = start_nginx(nginx, folder, certs)
+        server = "nginx"
+        print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
+              % (nginx, port), flush=True)
     else:
-        print("NO NGINX%s: using bench.py's own server; its figures do not count (apt-get "
-              "install nginx-light)" % (" (--own-server)" if nginx else " installed"),
-              flush=True)
+        print("NO NGINX%s: bench.py's own server; its figures do not count (apt-get install "
+              "nginx-light)" % (" (--own-server)" if nginx else " installed"), flush=True)
         log, server = os.path.join(folder, "own.log"), "own"
         open(log, "w").close()
-        process = start([sys.executable, os.path.abspath(__file__), "--serve",
-                         certs["cert.pem"], certs["key.pem"], log], stdout=subprocess.PIPE)
-        port, pid = read_port(process, "the own server"), process.pid
-    relay_process = start([sys.executable, os.path.abspath(__file__), "--relay", str(port)],
-                          stdout=subprocess.PIPE)
-    relay_port = read_port(relay_process, "the relay")
+        process, port = start(me + ["--serve", certs["cert.pem"], certs["key.pem"], log],
+                              "the own server")
+        pid = process.pid
+    relay_process, relay_port = start(me + ["--relay", str(port)], "the relay")
     setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs)
     setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
-    print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of "
-          "every ideal" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES))
+    print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
+          "ideals" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES), flush=True)
     return setting
 
 
@@ -1080,13 +1010,11 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--list", action="store_true", help="list the rows and exit")
     parser.add_argument("--own-server", action="store_true",
                         help="use bench.py's own server even where nginx is installed")
-    hidden = argparse.SUPPRESS
-    parser.add_argument("--child", help=hidden)
-    parser.add_argument("--port", type=int, help=hidden)
-    parser.add_argument("--cafile", help=hidden)
-    parser.add_argument("--rsa-key", help=hidden)
-    parser.add_argument("--serve", nargs=3, help=hidden)
-    parser.add_argument("--relay", type=int, help=hidden)
+    for hidden in ("--child", "--cafile", "--rsa-key"):  # what bench.py passes its helpers
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--relay", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -1094,24 +1022,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.serve:
         serve(*args.serve)
-    if args.relay:
-        relay(args.relay, ONE_WAY_DELAY)
     by_name = {row.name: row for row in ROWS}
     if args.child:
-        outcome = run_child(by_name[args.child], args.port, args.cafile, args.rsa_key,
-                            args.quick)
-        print(json.dumps(outcome))
+        print(json.dumps(run_child(by_name[args.child], args.port, args.cafile, args.rsa_key,
+                                   args.quick)))
         return 0
+    if args.relay:
+        relay(args.relay, ONE_WAY_DELAY)
     wanted = args.rows.split(",") if args.rows else []
     rows = [row for row in ROWS if not wanted or any(w and w in row.name for w in wanted)]
     if args.list or not rows:
-        print("\n".join("%-18s %s" % (row.name, row.title) for row in ROWS))
+        print("\n".join("%-15s %s" % (row.name, row.title) for row in ROWS))
         return 0 if args.list else 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers stop
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the helpers stop
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
-            peers = any(row.kind in PEER_MODULES and not missing_module(row) for row in rows)
+            peers = any(row.kind in SETUPS and row.module and not missing_package(row)
+                        for row in rows)
             setting = start_servers(folder, make_certificates(folder, peers), args.own_server)
             done: Dict[str, Result] = {}
             for row in rows:
@@ -1126,8 +1054,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.version.split()[0], ssl.OPENSSL_VERSION, os.cpu_count() or 0,
         os.getloadavg()[0], ", --quick" if args.quick else "", time.perf_counter() - started))
     print(table(list(done.values())))
-    failed = [r for r in done.values() if r.note.startswith(("failed", "killed"))]
-    return 1 if failed else 0
+    return 1 if any(r.note.startswith("failed") for r in done.values()) else 0
 
 
 if __name__ == "__main__":
