@@ -1,163 +1,46 @@
-"""Offline benchmark for andpush: messages per second against a local TLS fake FCM server.
+"""Benchmark andpush against a server we did not write: nginx on loopback.
 
-Run ``python bench.py`` from the repository root (``--quick`` for a run of about 30 seconds,
-``--json`` for machine-readable output, ``--help`` for the rest). It needs no credentials,
-no network and no package beyond the standard library. The default run takes about a minute
-and a half, 40 s of it the bounded-memory row.
+``python bench.py`` (a few minutes), ``--quick`` (a smoke run), ``--rows NAME,...`` (names or
+parts of names; ``--list`` shows them), ``--own-server`` (bench.py's own server even where nginx
+is installed). No network, no credentials. Peers (pyfcm, firebase-admin) run when importable:
+run bench.py with the interpreter of a virtual environment that has them.
 
-The fake FCM server
-    A fake FCM server runs in separate processes (this script re-run with a hidden ``--serve``
-    flag) on 127.0.0.1 with the test certificates from ``test_andpush.py``, in two kinds:
+nginx (``apt-get install nginx-light``) is started in a temporary folder of its own (config,
+pid file, logs, a throw-away CA and ECDSA P-256 certificate made with ``openssl``) and stopped
+at exit: one worker, HTTP/2 and HTTP/1.1 on one port (ALPN), 100 concurrent streams a
+connection as FCM, keep-alive limits no run reaches. It answers ``POST
+/v1/projects/<p>/messages:send`` with ``{"name": "projects/<p>/messages/0:1"}`` and ``POST
+/token`` (the peers' OAuth2 endpoint) with a token, and logs each request's connection and
+protocol: the ``proto`` and ``conns`` columns. Without nginx, bench.py says so on its first
+line and uses a small one-thread server of its own; those figures do not count.
 
-    * HTTP/1.1 only (tables 1 and 2 but their last row): keep-alive, no ALPN, a thread per
-      connection. Clients that offer HTTP/2, andpush among them, fall back to HTTP/1.1. After
-      an optional per-answer delay that stands in for FCM's latency it answers ``POST
-      /fcm/send`` (legacy API) with a legacy success, ``POST /v1/projects/<p>/messages:send``
-      (v1 API) with ``{"name": ...}``, and ``POST /token`` (the OAuth2 token endpoint of the
-      peers' service accounts) with an access token.
-    * HTTP/2 (table 3 and the bounded-memory row): offers ``h2`` and ``http/1.1`` by ALPN. One
-      thread runs a selector loop over non-blocking TLS sockets: it reads the client's frames
-      without decoding their HPACK, answers SETTINGS and PING, gives the client's windows
-      back with WINDOW_UPDATEs as its DATA arrives, and answers every stream that ends, after
-      the delay (a timer queue; answers go out about 0.2 ms after it, see ``srv delay`` in
-      table 3), with constant frames: HEADERS ``:status 200`` and ``content-type`` and DATA
-      ``{"name": ...}``; one send per connection per turn of the loop. Its SETTINGS are those
-      of Google's front end: MAX_CONCURRENT_STREAMS 100 (``--h2-max-streams`` changes it;
-      andpush opens a connection per 100 streams in flight), INITIAL_WINDOW_SIZE 1 MiB. A
-      client that does not pick h2 (``andpush.new(http2=False)``) gets the HTTP/1.1 serving
-      above, on a thread of its own. It costs some 5 to 8 us of CPU per HTTP/2 answer, against
-      80 to 140 us per HTTP/1.1 answer (handshakes included).
+Rows marked ``(50 ms)`` go through a relay (a process of its own: one thread, a selector, a
+timer heap) that holds bytes 25 ms each way, and a connection's first bytes a round trip more
+(the TCP handshake): handshakes cost what they cost against FCM. The round trip through it,
+measured first (median of sequential requests on a kept-alive connection), is the ``RTT`` of
+the ideals (concurrency / RTT). Row ``relay-ceiling`` drives a raw client through it: its
+msg/s over the relay's share of a core (what the relay could carry) must be 3x the top ideal.
 
-    Each kind and answer delay gets its own server processes (``--server-processes``,
-    sharing one port with SO_REUSEPORT); every row reports how busy they were, so a row
-    limited by the server rather than by the client says so. Client and server share the
-    machine's cores: a client that keeps a core busy leaves the server the others.
-
-Table 1: sequential pushes (one message at a time, zero answer delay, HTTP/1.1)
-    * ``andpush push() (keep-alive)``: one andpush client calling ``client.push(payload)`` over
-      and over (legacy API); what the library costs for sequential sending.
-    * ``andpush push() v1 (keep-alive)``: the same with a v1 client (bearer token).
-    * ``http.client, new connection per push``: a new ``http.client.HTTPSConnection`` for each
-      push (TCP connect, TLS handshake, request, response, close), the way slow clients work.
-    * ``raw socket (floor)``: one kept-alive TLS socket writing pre-built request bytes and
-      reading just enough of the answer. No client can be much faster against this server, so
-      andpush is compared with this floor (target: at least 0.60 of it).
-    * peers, only when importable: ``pyfcm notify()`` and ``firebase-admin messaging.send()``,
-      both v1 over requests, pointed at the fake server (see "Peers" below).
-
-    Each row is set up and warmed up first. Then the rows take turns: every round runs each
-    row for one timed sample, so background load hits all rows alike. ``rate`` is the mean of
-    the samples' pushes per second, ``spread`` their standard deviation in percent of the mean
-    (large: a noisy machine, rerun before trusting small differences), ``comparison`` how many
-    times slower a row is than the fastest; ``client``, ``server`` and ``bound by`` as in
-    table 2.
-
-Table 2: bulk sends (the rows of issue 4; v1 API, ``andpush.new(access_token=...)``)
-    Each row sends a fixed number of messages once, after an untimed set-up and warm-up.
-    Issue 4 set these rows' targets before andpush spoke HTTP/2, for HTTP/1.1 with a thread and
-    a connection per message in flight: its latency-bound rows keep to HTTP/1.1
-    (``andpush.new(http2=False)`` against the HTTP/1.1 server), as do the peers, which speak
-    nothing else. The bounded-memory row goes over HTTP/2, push_many's path against FCM now
-    (and several times faster here). Column ``protocol`` says which a row used.
-
-    * latency-bound, every answer delayed by ``--delay-ms`` (50 ms):
-      ``andpush push_many`` of 5,000 messages at concurrency 100 and ``andpush push()``
-      sequentially (a few dozen messages: at 50 ms each that is all it manages); ideal rates
-      are concurrency / latency = 2,000 and 20 messages/s; target: push_many at least 0.80 of
-      its ideal. Next to them the peers: ``firebase-admin send_each`` (chunks of 500) and
-      ``pyfcm notify()`` sequentially.
-    * "10 million in an hour": ``push_many`` of 20,000 messages at concurrency 200 and 50 ms
-      (ideal 4,000/s). Target: at least 3,000 messages/s (10 million an hour is 2,778/s).
-    * bounded memory: ``push_many`` of 1,000,000 messages from a generator at concurrency 50
-      and zero delay, over HTTP/2 (``--quick``: 20,000, which says little about memory).
-      Target: peak resident memory grows by less than 50 MB while it runs.
-
-    Columns: ``msg/s`` is messages per second over the whole row (connection set-up included),
-    ``of ideal`` that rate divided by concurrency / latency (capped as in table 3), ``CPU/msg``
-    the client process's CPU time (``time.process_time()``, all its threads, not the
-    server's) per message,
-    ``csw/msg`` the client process's context switches per message (``ru_nvcsw + ru_nivcsw``:
-    threads blocking on sockets, locks and the GIL), ``client`` and ``server`` their CPU time
-    as a share of one core over the row's wall time (the server's: its busiest process),
-    ``conns`` the TCP connections the server accepted during the row, ``peak RSS +`` how much
-    the client's peak resident memory grew during the row (Linux: ``VmHWM`` after resetting it
-    through ``/proc/self/clear_refs``; elsewhere ``ru_maxrss``, which can only show growth
-    past the earlier peak). ``bound by`` is the verdict: ``latency`` (nobody is busy: the row
-    waits on the answer delay), ``client CPU`` (the client process uses 75% of a core or more:
-    with Python's GIL about all its threads get), ``server CPU`` (a server process uses 85% of
-    a core or more: the row measures the fake server, not the client; try
-    ``--server-processes 2``) or ``both cores`` (client and server together use 1.7 cores or
-    more of the machine's); with no answer delay and nobody saturated, ``round trips``: client
-    and server take turns, each waiting for the other (table 1's sequential rows). The header
-    gives the machine's load average: other work on the machine slows every row, so compare
-    runs made under similar load.
-
-Table 3: push_many over HTTP/2 and over HTTP/1.1 (issue 6; v1 API, 50 ms answer delay)
-    ``andpush push_many`` against the HTTP/2 server at concurrency 100, 500 and 700, over
-    HTTP/2 (andpush's default: it multiplexes streams on a connection per 100 of them, all
-    driven by one thread) and over HTTP/1.1 (``http2=False``: a thread and a connection per
-    unit of concurrency, 700 threads at 700). Messages per row: 8,000, 30,000 and 42,000 over
-    HTTP/2, a few seconds each; 5,000, 10,000 and 10,000 over HTTP/1.1, which is slower
-    (``--quick``: fewer). ``ideal`` is concurrency / latency, capped by what the row can
-    reach: its messages need at least ceil(messages / concurrency) answer delays one after
-    another, and a row whose messages are no multiple of its concurrency says so (the rates
-    include each row's connection set-up, TLS handshakes and all, which the ideal does not).
-    ``CPU s/1k`` is the client process's CPU seconds (``time.process_time()``, all its
-    threads) per 1,000 messages, ``srv delay`` how long after reading a request the HTTP/2
-    server answered it on average (the fake latency plus the server's own lateness), ``h2
-    conns`` how many of the row's connections the server saw pick h2 by ALPN: all of them in
-    an HTTP/2 row, none in an HTTP/1.1 row, or the row fails (so an HTTP/2 row measures
-    andpush's HTTP/2 path, not a fallback). Other columns as in table 2.
-
-    Targets, for the HTTP/2 rows: at least 10,000 messages/s from one process (the best of
-    the three concurrencies), at most 0.03 s of client CPU per 1,000 messages, and at least
-    0.90 of the ideal (10,000/s at concurrency 500, 14,000/s at 700). The lines under the
-    table compare HTTP/2 with HTTP/1.1 at each concurrency and say which rows the server
-    limited.
-
-Peers
-    firebase-admin and pyfcm are used only when importable; bench.py never requires them (to
-    see them: ``python3 -m venv /tmp/peers && /tmp/peers/bin/pip install firebase-admin
-    pyfcm``, then run bench.py with ``/tmp/peers/bin/python``). Both keep FCM's URL in class
-    constants, which bench.py patches (``firebase_admin.messaging._MessagingService.FCM_URL``,
-    ``pyfcm.baseapi.BaseAPI.FCM_END_POINT_BASE``, set on the instance); both get a generated
-    service account whose ``token_uri`` is the fake server's ``/token``, and trust the test CA
-    through ``REQUESTS_CA_BUNDLE`` (requests) and ``SSL_CERT_FILE``. firebase-admin mounts a
-    requests pool of 100 connections for the real FCM host only; bench.py mounts the same pool
-    for the local server so the peer works as it would against FCM. ``send_each`` sends a
-    chunk's 500 messages on 500 threads at once; chunks go one after another. The lines under
-    table 2 give andpush's rate divided by each peer's.
-
-Adding a row
-    Table 1: write a ``Runner`` (set up in ``__init__``; ``step()`` sends one or more pushes
-    and returns how many; ``close()`` cleans up) and add a ``Row`` to ``ROWS``. Table 2: write
-    a ``BulkRunner`` (set up and warm up in ``__init__``; ``send(count)`` sends ``count``
-    messages and returns a ``Sent``) and add a ``BulkRow`` to ``bulk_rows()`` (``table=3``
-    for table 3; ``http2`` and ``h2_max_streams`` choose the client's and the server's
-    protocol).
-
-``--profile TEXT`` runs the first bulk row (table 2 or 3) whose name contains TEXT under
-cProfile, one profiler per client thread (the HTTP/2 sender's among them) timed by that
-thread's CPU time (``time.thread_time``: waiting on sockets and the GIL does not count),
-merged, and prints where the client's CPU goes. The profiler slows the client several times
-over, which changes the row's dynamics: lock waits look larger than they are, so read it for
-the share of the andpush functions, not the rate.
+Each row runs in a child process (a new interpreter and client); server and relay run in
+others. ``msg/s``: successes over the timed wall time. ``CPU/1k``: the child's
+``time.process_time()`` (all threads) over the timed part, per 1,000 messages. ``ratio``: to
+the ideal, or to the floor (raw requests on one kept-alive TLS socket), which such a row runs
+itself, taking turns with it slice by slice so that other load hits both alike.
+``srv/relay``: the share of a core the server's worker and the relay used meanwhile (near
+100%: the row measured them). ``target``: the row's targets, all in ROWS below.
 """
 
 import argparse
-import cProfile
 import collections
-import http.client
+import concurrent.futures
+import heapq
 import importlib.util
-import io
 import itertools
 import json
-import logging
-import math
 import os
-import platform
-import pstats
+import re
 import selectors
+import shutil
 import signal
 import socket
 import ssl
@@ -167,2068 +50,1011 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import (
-    Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Set, Tuple,
-)
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-try:
-    import resource  # Unix only: peak memory and context switches
-except ImportError:
-    resource = None  # type: ignore[assignment]
-
-import andpush
-from test_andpush import (
-    TEST_CA_PEM, TEST_RSA_KEY_PKCS8_PEM, TEST_SERVER_CERT_PEM, TEST_SERVER_KEY_PEM,
-)
-
-# What is sent ##################################################################################
-
-FCM_PATH = "/fcm/send"
-SERVER_KEY = "bench-server-key"
+HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECT = "p"
-V1_PATH_PREFIX = "/v1/projects/"
-DEVICE_TOKEN = "bench-registration-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
-PAYLOAD = {  # a legacy push (table 1)
-    "to": DEVICE_TOKEN,
-    "notification": {"title": "Benchmark", "body": "andpush offline benchmark push"},
-    "data": {"kind": "bench", "id": "12345"},
-}
-V1_MESSAGE = {  # the same push as a v1 message (table 2 and the v1 rows of table 1)
-    "token": DEVICE_TOKEN,
-    "notification": {"title": "Benchmark", "body": "andpush offline benchmark push"},
-    "data": {"kind": "bench", "id": "12345"},
-}
+FLOOR_PROJECT = "floor"  #: the project of a row's own floor requests, told apart in the log
+V1_BODY = b'{"name": "projects/p/messages/0:1"}'
+TOKEN_BODY = b'{"access_token": "bench-token", "expires_in": 3600, "token_type": "Bearer"}'
+DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
+ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
+RTT_SAMPLES = 9  #: sequential requests whose median is the measured round trip
+IMPORT_SAMPLES = 10  #: interpreter starts whose median is an import time
+FLOOR_SLICES = 5  #: a row compared with the floor takes turns with it this many times
+CEILING_CONNECTIONS = 50  #: relay-ceiling: connections through the relay ...
+CEILING_DEPTH = 100  #: ... each with this many pipelined requests in flight
+H2_STREAMS = 100  #: the server's SETTINGS_MAX_CONCURRENT_STREAMS, as FCM's
+KEEPALIVE_REQUESTS = 10_000_000  #: nginx closes no connection in a run ...
+KEEPALIVE_SECONDS = 3600  #: ... nor for idleness
+CHILD_DEADLINE = 600  #: seconds a row may take before it is killed
+START_DEADLINE = 10  #: seconds a server or the relay may take to listen
 
 
-def v1_messages(count: int) -> Iterator[Dict[str, Any]]:
-    """``count`` distinct v1 messages, made one at a time as they are read."""
-    notification = V1_MESSAGE["notification"]
-    for number in range(count):
-        yield {"token": DEVICE_TOKEN, "notification": notification,
-               "data": {"kind": "bench", "id": str(number)}}
-
-
-# The fake FCM server ###########################################################################
-# Thread per connection, chosen after measuring it against a selectors loop and asyncio
-# (protocols and streams) on one kept-alive connection: blocking recv/sendall in a thread costs
-# the server the least CPU per request, and time.sleep() in a connection's own thread delays
-# that answer precisely without holding up any other connection. Several processes can share
-# one port (SO_REUSEPORT) when one process is not enough.
-
-
-def http_response(status: str, body: bytes, keep_alive: bool = True) -> bytes:
-    head = "HTTP/1.1 %s\r\nContent-Type: application/json; charset=UTF-8\r\n" % status
-    if not keep_alive:
-        head += "Connection: close\r\n"
-    head += "Content-Length: %d\r\n\r\n" % len(body)
-    return head.encode("ascii") + body
-
-
-LEGACY_BODY = (
-    b'{"multicast_id":1,"success":1,"failure":0,"canonical_ids":0,'
-    b'"results":[{"message_id":"0:1"}]}'
-)
-V1_BODY = b'{"name":"projects/p/messages/0:1"}'
-TOKEN_BODY = b'{"access_token":"x","expires_in":3600,"token_type":"Bearer"}'
-# (request line prefix, answer with keep-alive, answer with Connection: close)
-ROUTES = [
-    (b"POST " + FCM_PATH.encode("ascii") + b" ",
-     http_response("200 OK", LEGACY_BODY), http_response("200 OK", LEGACY_BODY, False)),
-    (b"POST " + V1_PATH_PREFIX.encode("ascii"),
-     http_response("200 OK", V1_BODY), http_response("200 OK", V1_BODY, False)),
-    (b"POST /token ",
-     http_response("200 OK", TOKEN_BODY), http_response("200 OK", TOKEN_BODY, False)),
-]
-NOT_FOUND_RESPONSE = http_response("404 Not Found", b'{"error":"not found"}')
-LENGTH_REQUIRED_RESPONSE = http_response(
-    "411 Length Required", b'{"error":"Content-Length required"}', keep_alive=False
-)
-
-
-def answer_request(head: bytes) -> Tuple[bytes, int, bool]:
-    """Answer a request from its head (up to the blank line).
-
-    Returns the response bytes, the request body's length and whether to keep the connection.
-    A v1 request is answered whatever its project, when its path ends in ``:send``.
-    """
-    lower = head.lower()
-    if b"\r\ntransfer-encoding:" in lower:
-        return LENGTH_REQUIRED_RESPONSE, 0, False
-    length = 0
-    start = lower.find(b"\r\ncontent-length:")
-    if start >= 0:
-        end = lower.find(b"\r\n", start + 2)
-        length = int(lower[start + 17 : end if end >= 0 else len(lower)])
-    line_end = lower.find(b"\r\n")
-    request_line = head if line_end < 0 else head[:line_end]
-    keep_alive = b"\r\nconnection: close" not in lower and not request_line.endswith(b"/1.0")
-    for prefix, keep_answer, close_answer in ROUTES:
-        if request_line.startswith(prefix):
-            if prefix.startswith(b"POST /v1/") and b":send " not in request_line:
-                break
-            return (keep_answer if keep_alive else close_answer), length, keep_alive
-    return NOT_FOUND_RESPONSE, length, keep_alive
-
-
-class Tally:
-    """A count that threads bump without a lock (``itertools.count`` is atomic under the GIL).
-
-    Only one thread reads it (the one answering STATS); reading a count means advancing it,
-    so the reads made so far are subtracted.
-    """
-
-    def __init__(self) -> None:
-        self._count = itertools.count()
-        self._reads = 0
-
-    def add(self) -> None:
-        next(self._count)
-
-    def value(self) -> int:
-        value = next(self._count) - self._reads
-        self._reads += 1
-        return value
-
-
-def serve_connection(conn: socket.socket, context: ssl.SSLContext, delay: float,
-                     answered: Tally) -> None:
-    """Answer the HTTP/1.1 requests on one connection until the client closes it."""
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock = context.wrap_socket(conn, server_side=True)
-    except OSError:
-        conn.close()
-        return
-    serve_requests(sock, delay, answered)
-
-
-def serve_requests(sock: ssl.SSLSocket, delay: float, answered: Tally) -> None:
-    """Answer HTTP/1.1 requests on a (blocking) TLS socket until the client closes it."""
-    with sock:
-        buffer = b""
-        while True:
-            try:
-                data = sock.recv(16384)
-            except OSError:
-                return
-            if not data:
-                return
-            buffer = buffer + data if buffer else data
-            while True:  # every complete request in the buffer (pipelining)
-                head_end = buffer.find(b"\r\n\r\n")
-                if head_end < 0:
-                    break
-                response, length, keep_alive = answer_request(buffer[:head_end])
-                request_end = head_end + 4 + length
-                if len(buffer) < request_end:
-                    break
-                buffer = buffer[request_end:]
-                if delay:
-                    time.sleep(delay)
-                try:
-                    sock.sendall(response)
-                except OSError:
-                    return
-                answered.add()
-                if not keep_alive:
-                    return
-
-
-# HTTP/2 (the ``--h2-max-streams`` server groups) -----------------------------------------------
-# One thread runs a selector loop over non-blocking TLS sockets: TLS handshakes, HTTP/2 frames
-# in, answers out after the delay, one send per connection per turn of the loop. A client that
-# does not pick h2 by ALPN gets a thread of its own with the HTTP/1.1 serving above. The request
-# headers are not decoded: every stream that ends is answered as a v1 send, with a constant
-# HPACK block. What it sends first is what Google's front end (GFE) sends (nghttp -v against
-# www.google.com): SETTINGS MAX_CONCURRENT_STREAMS 100, INITIAL_WINDOW_SIZE 1 MiB,
-# MAX_HEADER_LIST_SIZE 16384, then a WINDOW_UPDATE of the connection to 1 MiB; the streams'
-# limit is ``--h2-max-streams``. It does not track its own send windows: the answers are tiny
-# and andpush lets a server send 16 MiB ahead, acknowledged as it reads.
-
-H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-H2_DATA, H2_HEADERS, H2_RST_STREAM, H2_SETTINGS, H2_PING, H2_WINDOW_UPDATE, H2_CONTINUATION = (
-    0, 1, 3, 4, 6, 8, 9)
-H2_END_STREAM = H2_ACK = 0x1
-H2_END_HEADERS = 0x4
-H2_WINDOW = 1 << 20  # GFE's: the stream windows (INITIAL_WINDOW_SIZE) and the connection's
-H2_GFE_MAX_STREAMS = 100  # GFE's SETTINGS_MAX_CONCURRENT_STREAMS
-
-
-def h2_frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
-            + stream_id.to_bytes(4, "big") + payload)
-
-
-def h2_server_preface(max_streams: int) -> bytes:
-    """The server's SETTINGS and its connection WINDOW_UPDATE, as GFE sends them."""
-    settings = b"".join(name.to_bytes(2, "big") + value.to_bytes(4, "big") for name, value in (
-        (0x3, max_streams), (0x4, H2_WINDOW), (0x6, 16384)))
-    return (h2_frame(H2_SETTINGS, 0, 0, settings)
-            + h2_frame(H2_WINDOW_UPDATE, 0, 0, (H2_WINDOW - 65535).to_bytes(4, "big")))
-
-
-H2_SETTINGS_ACK = h2_frame(H2_SETTINGS, H2_ACK, 0)
-H2_CONTENT_TYPE = b"application/json; charset=UTF-8"
-# HPACK: ":status: 200" is static entry 8 (0x88); content-type, static name 31, as a literal
-# without indexing (4-bit prefix: 15, then 31 - 15 = 16) with a plain 31-byte value.
-H2_RESPONSE_BLOCK = b"\x88\x0f\x10" + bytes((len(H2_CONTENT_TYPE),)) + H2_CONTENT_TYPE
-# An answer is HEADERS (END_HEADERS) and DATA (END_STREAM): H2_ANSWER_HEAD, the stream id,
-# H2_ANSWER_MIDDLE, the stream id, V1_BODY.
-H2_ANSWER_HEAD = len(H2_RESPONSE_BLOCK).to_bytes(3, "big") + bytes((H2_HEADERS, H2_END_HEADERS))
-H2_ANSWER_MIDDLE = (H2_RESPONSE_BLOCK + len(V1_BODY).to_bytes(3, "big")
-                    + bytes((H2_DATA, H2_END_STREAM)))
-
-
-class H2ServerConnection:
-    """One client connection of the HTTP/2 server: TLS handshake, then frames."""
-
-    def __init__(self, sock: ssl.SSLSocket, max_streams: int) -> None:
-        self.sock = sock
-        self.handshaking = True
-        self.open = True
-        self.writing = False  # registered for EVENT_WRITE
-        self.preface = False  # the client's preface has come
-        self.inbound = bytearray()
-        self.out = bytearray(h2_server_preface(max_streams))
-        self.unacknowledged = 0  # DATA bytes received and not yet given back by WINDOW_UPDATE
-        self.ending: Optional[bytes] = None  # a HEADERS with END_STREAM awaiting CONTINUATION
-        self.reset: Set[bytes] = set()  # streams the client reset: not answered
-
-    def receive(self, data: bytes, ended: List[bytes]) -> None:
-        """Handle the frames in ``data``; append the ids (4 bytes) of the streams that end."""
-        buffer = self.inbound
-        buffer += data
-        offset = 0
-        if not self.preface:
-            if len(buffer) < len(H2_PREFACE):
-                return
-            if not buffer.startswith(H2_PREFACE):
-                raise ConnectionError("not an HTTP/2 client preface")
-            self.preface = True
-            offset = len(H2_PREFACE)
-        end = len(buffer)
-        received = 0
-        out = self.out
-        while end - offset >= 9:
-            length = int.from_bytes(buffer[offset:offset + 3], "big")
-            stop = offset + 9 + length
-            if stop > end:
-                break
-            kind = buffer[offset + 3]
-            flags = buffer[offset + 4]
-            if kind == H2_DATA:
-                received += length
-                if flags & H2_END_STREAM:
-                    ended.append(bytes(buffer[offset + 5:offset + 9]))
-                elif length:  # the stream goes on: give its window back
-                    out += (b"\x00\x00\x04\x08\x00" + buffer[offset + 5:offset + 9]
-                            + length.to_bytes(4, "big"))
-            elif kind == H2_HEADERS:
-                if flags & H2_END_STREAM:
-                    if flags & H2_END_HEADERS:
-                        ended.append(bytes(buffer[offset + 5:offset + 9]))
-                    else:
-                        self.ending = bytes(buffer[offset + 5:offset + 9])
-            elif kind == H2_CONTINUATION:
-                if flags & H2_END_HEADERS and self.ending is not None:
-                    ended.append(self.ending)
-                    self.ending = None
-            elif kind == H2_SETTINGS:
-                if not flags & H2_ACK:
-                    out += H2_SETTINGS_ACK
-            elif kind == H2_PING:
-                if not flags & H2_ACK:
-                    out += h2_frame(H2_PING, H2_ACK, 0, bytes(buffer[offset + 9:stop]))
-            elif kind == H2_RST_STREAM:
-                self.reset.add(bytes(buffer[offset + 5:offset + 9]))
-            offset = stop
-        del buffer[:offset]
-        if received:  # the connection's window: given back once half of it is used
-            self.unacknowledged += received
-            if self.unacknowledged >= H2_WINDOW // 2:
-                out += h2_frame(H2_WINDOW_UPDATE, 0, 0, self.unacknowledged.to_bytes(4, "big"))
-                self.unacknowledged = 0
-
-    def answer(self, stream_ids: List[bytes]) -> int:
-        """Queue the answers of these streams; how many."""
-        if not self.open:
-            return 0
-        if self.reset:
-            reset = self.reset
-            stream_ids = [s for s in stream_ids if s not in reset]
-            reset.difference_update(stream_ids)
-        self.out += b"".join([H2_ANSWER_HEAD + s + H2_ANSWER_MIDDLE + s + V1_BODY
-                              for s in stream_ids])
-        return len(stream_ids)
-
-
-class H2Server:
-    """The HTTP/2 server's selector loop (see above); HTTP/1.1 clients get a thread each."""
-
-    def __init__(self, listener: socket.socket, context: ssl.SSLContext, delay: float,
-                 max_streams: int) -> None:
-        self.listener = listener
-        self.context = context
-        self.delay = delay
-        self.max_streams = max_streams
-        self.selector = selectors.DefaultSelector()
-        # (when due, connection, stream ids, when read): one delay for all, so they come due
-        # in the order they were read.
-        self.timers: Deque[Tuple[float, H2ServerConnection, List[bytes], float]] = (
-            collections.deque())
-        self.dirty: Set[H2ServerConnection] = set()  # connections with output this turn
-        self.h2_answered = 0
-        self.h2_delay = 0.0  # seconds from reading the streams' ends to answering, summed
-        self.http1_answered = Tally()
-        self.connections = 0
-        self.h2_connections = 0
-
-    def stats(self) -> str:
-        times = os.times()
-        return "STATS %d %d %.4f %d %d %.6f" % (
-            self.h2_answered + self.http1_answered.value(), self.connections,
-            times.user + times.system, self.h2_connections, self.h2_answered, self.h2_delay)
-
-    def run(self) -> None:
-        """Serve until stdin closes; answer each STATS line on it."""
-        selector = self.selector
-        self.listener.setblocking(False)
-        selector.register(self.listener, selectors.EVENT_READ, "listener")
-        stdin = sys.stdin.buffer.fileno()
-        selector.register(stdin, selectors.EVENT_READ, "stdin")
-        print("READY %d" % self.listener.getsockname()[1], flush=True)
-        timers = self.timers
-        pending = b""
-        while True:
-            timeout = None
-            if timers:
-                # epoll waits whole milliseconds, rounded up: wait the whole ones, then sleep
-                # the rest, so that answers are not up to a millisecond late.
-                timeout = timers[0][0] - time.monotonic()
-                if 0 < timeout < 0.001:
-                    time.sleep(timeout)
-                timeout = max(0.0, math.floor(timeout * 1000) / 1000)
-            for key, events in selector.select(timeout):
-                what = key.data
-                if what == "listener":
-                    self.accept()
-                elif what == "stdin":
-                    data = os.read(stdin, 4096)
-                    if not data:
-                        return
-                    pending += data
-                    while b"\n" in pending:
-                        line, pending = pending.split(b"\n", 1)
-                        if line.strip() == b"STATS":
-                            print(self.stats(), flush=True)
-                elif what.handshaking:
-                    self.handshake(what)
-                else:
-                    if events & selectors.EVENT_READ:
-                        self.read(what)
-                    if events & selectors.EVENT_WRITE:
-                        self.dirty.add(what)
-            now = time.monotonic()
-            while timers and timers[0][0] <= now:
-                _, connection, stream_ids, read_at = timers.popleft()
-                answered = connection.answer(stream_ids)
-                self.h2_answered += answered
-                self.h2_delay += answered * (now - read_at)
-                self.dirty.add(connection)
-            for connection in self.dirty:
-                self.flush(connection)
-            self.dirty.clear()
-
-    def accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            self.connections += 1
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.setblocking(False)
-            sock = self.context.wrap_socket(conn, server_side=True,
-                                            do_handshake_on_connect=False)
-            connection = H2ServerConnection(sock, self.max_streams)
-            self.selector.register(sock, selectors.EVENT_READ, connection)
-            self.handshake(connection)
-
-    def handshake(self, connection: H2ServerConnection) -> None:
-        sock = connection.sock
-        try:
-            sock.do_handshake()
-        except ssl.SSLWantReadError:
-            self.selector.modify(sock, selectors.EVENT_READ, connection)
-            return
-        except ssl.SSLWantWriteError:
-            self.selector.modify(sock, selectors.EVENT_WRITE, connection)
-            return
-        except OSError:
-            self.close(connection)
-            return
-        connection.handshaking = False
-        if sock.selected_alpn_protocol() != "h2":  # HTTP/1.1: a thread of its own
-            self.selector.unregister(sock)
-            sock.setblocking(True)
-            threading.Thread(target=serve_requests, args=(sock, self.delay,
-                                                          self.http1_answered),
-                             daemon=True).start()
-            return
-        self.h2_connections += 1
-        self.selector.modify(sock, selectors.EVENT_READ, connection)
-        self.read(connection)  # the preface may have come with the handshake's last flight
-        self.dirty.add(connection)  # our SETTINGS
-
-    def read(self, connection: H2ServerConnection) -> None:
-        """Read all the socket has, handle the frames, and schedule the streams that ended."""
-        ended: List[bytes] = []
-        sock = connection.sock
-        while True:
-            try:
-                data = sock.recv(262144)
-            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
-                break
-            except OSError:
-                self.close(connection)
-                return
-            if not data:
-                self.close(connection)
-                return
-            try:
-                connection.receive(data, ended)
-            except ConnectionError:
-                self.close(connection)
-                return
-        if ended:
-            if self.delay:
-                now = time.monotonic()
-                self.timers.append((now + self.delay, connection, ended, now))
-            else:
-                self.h2_answered += connection.answer(ended)
-        if connection.out:
-            self.dirty.add(connection)
-
-    def flush(self, connection: H2ServerConnection) -> None:
-        """One send of what the connection has to say; wait for EVENT_WRITE if not all went."""
-        if not connection.open or not connection.out:
-            return
-        try:
-            sent = connection.sock.send(connection.out)
-        except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
-            sent = 0
-        except OSError:
-            self.close(connection)
-            return
-        del connection.out[:sent]
-        writing = bool(connection.out)
-        if writing != connection.writing:
-            connection.writing = writing
-            self.selector.modify(connection.sock, selectors.EVENT_READ | (
-                selectors.EVENT_WRITE if writing else 0), connection)
-
-    def close(self, connection: H2ServerConnection) -> None:
-        if connection.open:
-            connection.open = False
-            self.selector.unregister(connection.sock)
-            connection.sock.close()
-
-
-def serve(cert_file: str, key_file: str, delay_ms: float, port: int, h2_max_streams: int) -> int:
-    """Run one fake server process (the ``--serve`` child).
-
-    It says ``READY <port>``, then answers each ``STATS`` line on its stdin with ``STATS
-    <requests> <connections> <cpu seconds> <h2 connections> <h2 answers> <h2 answer delay
-    seconds, summed>`` (counts since it started) and
-    exits, after one last STATS line, when its stdin closes. ``port`` 0 picks a free port;
-    processes sharing a port all listen with SO_REUSEPORT, and the kernel spreads the
-    connections between them. ``h2_max_streams`` above 0 makes it offer h2 by ALPN (the
-    selector loop of H2Server); 0 makes it an HTTP/1.1 server without ALPN.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert_file, key_file)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if hasattr(socket, "SO_REUSEPORT"):
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    listener.bind(("127.0.0.1", port))
-    listener.listen(1024)
-    if h2_max_streams:
-        context.set_alpn_protocols(["h2", "http/1.1"])
-        server = H2Server(listener, context, delay_ms / 1000.0, h2_max_streams)
-        server.run()
-        listener.close()
-        print(server.stats(), flush=True)
-        return 0
-    answered = Tally()
-    connections = Tally()
-
-    def accept_forever() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            connections.add()
-            threading.Thread(
-                target=serve_connection, args=(conn, context, delay_ms / 1000.0, answered),
-                daemon=True,
-            ).start()
-
-    def stats() -> str:
-        times = os.times()
-        return "STATS %d %d %.4f 0 0 0" % (answered.value(), connections.value(),
-                                           times.user + times.system)
-
-    threading.Thread(target=accept_forever, daemon=True).start()
-    print("READY %d" % listener.getsockname()[1], flush=True)
-    for line in sys.stdin.buffer:  # until the parent closes the pipe (or dies)
-        if line.strip() == b"STATS":
-            print(stats(), flush=True)
-    listener.close()
-    print(stats(), flush=True)
-    return 0
-
-
-@dataclass
-class ServerStats:
-    requests: int = 0
-    connections: int = 0
-    cpu_seconds: float = 0.0
-    h2_connections: int = 0  # of the connections, those whose client picked h2 by ALPN
-    h2_answers: int = 0  # of the requests, those answered over h2 ...
-    h2_delay_seconds: float = 0.0  # ... and their delays (streams' ends read to answers), summed
-
-    def __sub__(self, earlier: "ServerStats") -> "ServerStats":
-        return ServerStats(self.requests - earlier.requests,
-                           self.connections - earlier.connections,
-                           self.cpu_seconds - earlier.cpu_seconds,
-                           self.h2_connections - earlier.h2_connections,
-                           self.h2_answers - earlier.h2_answers,
-                           self.h2_delay_seconds - earlier.h2_delay_seconds)
-
-
-def parse_stats(line: bytes) -> Optional[ServerStats]:
-    fields = line.decode("ascii", "replace").split()
-    if len(fields) == 7 and fields[0] == "STATS":
-        return ServerStats(int(fields[1]), int(fields[2]), float(fields[3]), int(fields[4]),
-                           int(fields[5]), float(fields[6]))
-    return None
-
-
-def mean_h2_delay_ms(stats: Sequence[ServerStats]) -> Optional[float]:
-    """How long after reading a stream's end the HTTP/2 server answered it, on average."""
-    answers = sum(s.h2_answers for s in stats)
-    return 1000 * sum(s.h2_delay_seconds for s in stats) / answers if answers else None
-
+# The rows and their targets, in one place ######################################################
 
 @dataclass(frozen=True)
-class ServerKind:
-    """What a group of server processes does: its answer delay, and whether it offers h2."""
+class Row:
+    """One row: what its child process runs, and the targets it must reach."""
 
-    delay_ms: float
-    h2_max_streams: int = 0  # 0: HTTP/1.1 without ALPN; else h2 with this many streams
-
-    def describe(self) -> str:
-        if self.h2_max_streams:
-            return ("selector loop offering h2 (MAX_CONCURRENT_STREAMS %d) and HTTP/1.1 "
-                    "(a thread per connection), answer delay %g ms"
-                    % (self.h2_max_streams, self.delay_ms))
-        return "HTTP/1.1 only, thread per connection, answer delay %g ms" % self.delay_ms
-
-
-class FakeServer:
-    """The parent's handle on one fake server process."""
-
-    def __init__(self, cert_file: str, key_file: str, kind: ServerKind, port: int = 0) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", "--port", str(port),
-             "--cert", cert_file, "--key", key_file,
-             "--server-delay-ms", str(kind.delay_ms), "--server-h2-streams",
-             str(kind.h2_max_streams)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        )
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline().decode("ascii", "replace").split()
-        if len(line) != 2 or line[0] != "READY":
-            self.process.kill()
-            raise RuntimeError("fake FCM server did not start (said %r)" % " ".join(line))
-        self.port = int(line[1])
-
-    def stats(self) -> ServerStats:
-        """The counts so far (requests, connections, CPU seconds since it started)."""
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(b"STATS\n")
-        self.process.stdin.flush()
-        return parse_stats(self.process.stdout.readline()) or ServerStats()
-
-    def stop(self) -> ServerStats:
-        """Close the server's stdin so that it exits, and collect what it reports."""
-        try:
-            out, _ = self.process.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            return ServerStats()
-        lines = out.splitlines()
-        return (parse_stats(lines[-1]) if lines else None) or ServerStats()
+    name: str
+    kind: str  # what runs it: a key of SETUPS, or "import"
+    title: str
+    count: int = 0  # messages timed (per batch)
+    quick: int = 0  # the same with --quick
+    relayed: bool = False  # through the 50 ms relay
+    http2: bool = True  # andpush.new(http2=...); the protocol the server must see
+    concurrency: int = 1  # threads or push_many's concurrency: the ideal is concurrency / RTT
+    warm: int = 0  # messages push_many sends first, untimed, on the same client
+    batches: int = 1
+    base: str = ""  # what ``ratio`` divides by: "floor" or "ideal"
+    min_ratio: Optional[float] = None
+    max_cpu: Optional[float] = None  # client CPU seconds per 1,000 messages
+    cpu_at_most_row: str = ""  # CPU per message no more than that row's
+    max_conns: Optional[int] = None
+    min_rate: Optional[float] = None  # messages per second
+    min_relay_headroom: Optional[float] = None  # msg/s / relay's CPU share, over the ideal
+    module: str = ""  # what an import row imports, or a peer row needs
+    max_ms: Optional[float] = None  # import rows
 
 
-class ServerGroup:
-    """The processes of one ServerKind, all listening on one port."""
-
-    def __init__(self, cert_file: str, key_file: str, kind: ServerKind, processes: int) -> None:
-        self.kind = kind
-        first = FakeServer(cert_file, key_file, kind)
-        self.members = [first] + [FakeServer(cert_file, key_file, kind, first.port)
-                                  for _ in range(processes - 1)]
-        self.port = first.port
-
-    def stats(self) -> List[ServerStats]:
-        return [member.stats() for member in self.members]
-
-    def stop(self) -> List[ServerStats]:
-        return [member.stop() for member in self.members]
-
-
-class Servers:
-    """Fake servers started on demand, one group of processes per ServerKind."""
-
-    def __init__(self, cert_file: str, key_file: str, processes: int) -> None:
-        self.cert_file = cert_file
-        self.key_file = key_file
-        self.processes = processes
-        self.running: Dict[ServerKind, ServerGroup] = {}
-
-    def group(self, kind: ServerKind) -> ServerGroup:
-        if kind not in self.running:
-            self.running[kind] = ServerGroup(self.cert_file, self.key_file, kind,
-                                             self.processes)
-        return self.running[kind]
-
-    def target(self, kind: ServerKind, http2: bool = True) -> "Target":
-        return Target("127.0.0.1", self.group(kind).port, client_ssl_context(), http2)
-
-    def stop_all(self) -> Dict[ServerKind, List[ServerStats]]:
-        stats = {kind: group.stop() for kind, group in self.running.items()}
-        self.running.clear()
-        return stats
-
-
-# Clients ######################################################################################
-
-
-def client_ssl_context() -> ssl.SSLContext:
-    return ssl.create_default_context(cadata=TEST_CA_PEM)
-
-
-@dataclass
-class Target:
-    """Where a row sends its pushes, and whether andpush may offer h2 there."""
-
-    host: str
-    port: int
-    ssl_context: ssl.SSLContext
-    http2: bool = True  # andpush.new(http2=...)
-
-    @property
-    def endpoint(self) -> str:
-        return "https://%s:%d" % (self.host, self.port)
+FBADMIN, PYFCM = "firebase_admin", "pyfcm"
+ROWS = [
+    Row("floor", "floor", "raw socket, sequential HTTP/1.1, one kept-alive TLS socket",
+        count=5000, quick=1000, http2=False),
+    Row("push-h1", "push", "push() sequential, http2=False", count=5000, quick=1000,
+        http2=False, base="floor", min_ratio=0.6),
+    Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, quick=1000, base="floor",
+        cpu_at_most_row="push-h1"),
+    Row("relay-ceiling", "ceiling", "raw pipelined HTTP/1.1 through the relay, %d conns x %d"
+        % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, quick=40_000, relayed=True,
+        http2=False, concurrency=700, base="ideal", min_relay_headroom=3.0),
+    Row("threads-100", "threads", "push() from 100 threads, new client", count=4000, quick=1000,
+        relayed=True, concurrency=100, base="ideal", min_ratio=0.9, max_conns=2, max_cpu=0.08),
+    Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
+        count=10_000, quick=2000, relayed=True, concurrency=100, base="ideal"),
+    Row("many-700-new", "many", "push_many(concurrency=700), 10k on a new client",
+        count=10_000, quick=2000, relayed=True, concurrency=700, base="ideal", min_ratio=0.8),
+    Row("many-100-warm", "many", "push_many(concurrency=100), 10k after a warm-up batch",
+        count=10_000, quick=2000, relayed=True, concurrency=100, warm=100, base="ideal"),
+    Row("many-700-warm", "many", "push_many(concurrency=700), 10k after a warm-up batch",
+        count=10_000, quick=2000, relayed=True, concurrency=700, warm=700, base="ideal",
+        min_ratio=0.88),
+    Row("many-700-x10", "many", "push_many(concurrency=700), 10 batches of 10k, one client",
+        count=10_000, quick=1000, relayed=True, concurrency=700, batches=10, base="ideal",
+        min_ratio=0.92, max_cpu=0.025),
+    Row("many-direct", "many", "push_many(concurrency=100), no delay: client-bound",
+        count=50_000, quick=10_000, concurrency=100, warm=100, min_rate=40_000),
+    Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client",
+        count=10_000, quick=2000, relayed=True, http2=False, concurrency=100, base="ideal",
+        min_ratio=0.9, max_cpu=0.10),
+    Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client",
+        count=10_000, quick=2000, relayed=True, http2=False, concurrency=200, base="ideal",
+        min_ratio=0.9, max_cpu=0.10),
+    Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, quick=200,
+        http2=False, base="floor", module=PYFCM),
+    Row("fbadmin-send", "fbadmin-send", "peer: firebase-admin messaging.send() sequential",
+        count=1000, quick=200, http2=False, base="floor", module=FBADMIN),
+    Row("fbadmin-each", "fbadmin-each", "peer: firebase-admin send_each, chunks of 500",
+        count=2000, quick=1000, relayed=True, http2=False, concurrency=100, base="ideal",
+        module=FBADMIN),
+    Row("import-andpush", "import", "import andpush (cached bytecode, median of 10)",
+        module="andpush", max_ms=40),
+    Row("import-pyfcm", "import", "import pyfcm", module=PYFCM),
+    Row("import-fbadmin", "import", "import firebase_admin.messaging",
+        module=FBADMIN + ".messaging"),
+]
+PIP_NAMES = {PYFCM: "pyfcm", FBADMIN: "firebase-admin"}
 
 
-def andpush_v1(target: Target) -> andpush.Client:
-    """A v1 andpush client with a fixed access token (no token endpoint involved)."""
-    return andpush.new(access_token="x", project_id=PROJECT, endpoint=target.endpoint,
-                       ssl_context=target.ssl_context, http2=target.http2)
+def missing_package(row: Row) -> str:
+    """The pip name of what a row needs and cannot import here, or ""."""
+    top = row.module.split(".")[0]
+    return PIP_NAMES.get(top, top) if top and importlib.util.find_spec(top) is None else ""
 
 
-class Skipped(Exception):
-    """A row that cannot run here (a peer that is not installed); the reason is its text."""
+# Processes this run starts, stopped whatever happens ###########################################
+
+_helpers: List["subprocess.Popen[bytes]"] = []
 
 
-def check_status(status: int, row: str) -> None:
-    if status != 200:
-        raise RuntimeError("%s: fake server answered HTTP %d" % (row, status))
-
-
-# Peers: firebase-admin and pyfcm, only when importable ########################################
-
-PEER_MODULES = {"firebase-admin": "firebase_admin", "pyfcm": "pyfcm"}
-
-
-def require_peer(name: str) -> None:
-    """Raise Skipped unless the peer's package can be imported here."""
-    if importlib.util.find_spec(PEER_MODULES[name]) is None:
-        raise Skipped("%s is not installed (pip install %s)" % (name, name))
-
-
-def service_account(target: Target) -> Dict[str, str]:
-    """A service account key whose token endpoint is the fake server's ``/token``."""
-    return {
-        "type": "service_account",
-        "project_id": PROJECT,
-        "private_key_id": "bench-key",
-        "private_key": TEST_RSA_KEY_PKCS8_PEM,
-        "client_email": "bench@p.iam.gserviceaccount.com",
-        "client_id": "1",
-        "token_uri": target.endpoint + "/token",
-    }
-
-
-def trust_test_ca(ca_file: str) -> None:
-    """Make requests (and httpx, aiohttp) trust the test CA: the peers verify with it."""
-    os.environ["REQUESTS_CA_BUNDLE"] = ca_file
-    os.environ["SSL_CERT_FILE"] = ca_file
-    # requests warns for each connection that a full pool discards (firebase-admin's 500
-    # threads share 100 pooled connections): a flood of lines, not a result.
-    logging.getLogger("urllib3").setLevel(logging.ERROR)
-
-
-class FirebaseAdmin:
-    """A firebase-admin App whose messaging service sends to the fake server."""
-
-    names = itertools.count()
-
-    def __init__(self, target: Target) -> None:
-        require_peer("firebase-admin")
-        import firebase_admin
-        import requests
-        from firebase_admin import _http_client, credentials, messaging
-
-        self.firebase_admin = firebase_admin
-        self.messaging = messaging
-        self.app = firebase_admin.initialize_app(
-            credentials.Certificate(service_account(target)),
-            name="andpush-bench-%d" % next(self.names),
-        )
-        try:
-            service = self._service_at(target.endpoint, messaging)
-        except AttributeError as exc:  # a version that keeps its URL elsewhere
-            firebase_admin.delete_app(self.app)
-            raise Skipped("firebase-admin %s cannot be pointed at the local server: %s"
-                          % (getattr(firebase_admin, "__version__", "?"), exc)) from exc
-        # What firebase-admin mounts for https://fcm.googleapis.com, mounted for our server.
-        service._client.session.mount(target.endpoint, requests.adapters.HTTPAdapter(
-            pool_connections=100, pool_maxsize=100,
-            max_retries=_http_client.DEFAULT_RETRY_CONFIG,
-        ))
-        self.message = messaging.Message(
-            token=DEVICE_TOKEN,
-            notification=messaging.Notification(title="Benchmark",
-                                                body="andpush offline benchmark push"),
-            data={"kind": "bench", "id": "12345"},
-        )
-
-    def _service_at(self, endpoint: str, messaging: Any) -> Any:
-        """The app's messaging service, made while FCM_URL points at ``endpoint``.
-
-        The service reads the constant once, when it is made: patch it around that only.
-        """
-        service_class = messaging._MessagingService
-        original = service_class.FCM_URL
-        service_class.FCM_URL = endpoint + V1_PATH_PREFIX + "{0}/messages:send"
-        try:
-            return messaging._get_messaging_service(self.app)
-        finally:
-            service_class.FCM_URL = original
-
-    def close(self) -> None:
-        self.firebase_admin.delete_app(self.app)
-
-
-class Pyfcm:
-    """A pyfcm FCMNotification that sends to the fake server."""
-
-    def __init__(self, target: Target) -> None:
-        require_peer("pyfcm")
-        import pyfcm
-        from google.oauth2 import service_account as google_service_account
-        from pyfcm import FCMNotification
-
-        if not hasattr(FCMNotification, "FCM_END_POINT_BASE"):  # pyfcm 1.x: legacy API only
-            raise Skipped("pyfcm %s cannot be pointed at the local server: no "
-                          "FCMNotification.FCM_END_POINT_BASE (pyfcm 2 has it)"
-                          % getattr(pyfcm, "__version__", "?"))
-
-        credentials = google_service_account.Credentials.from_service_account_info(
-            service_account(target),
-            scopes=["https://www.googleapis.com/auth/firebase.messaging"],
-        )
-        self.fcm = FCMNotification(credentials=credentials, project_id=PROJECT)
-        # pyfcm builds its URL from this class constant; shadow it on our instance only.
-        self.fcm.FCM_END_POINT_BASE = target.endpoint + "/v1/projects"
-
-    def notify(self) -> None:
-        answer = self.fcm.notify(
-            fcm_token=DEVICE_TOKEN, notification_title="Benchmark",
-            notification_body="andpush offline benchmark push",
-            data_payload={"kind": "bench", "id": "12345"},
-        )
-        if not answer.get("name"):
-            raise RuntimeError("pyfcm: unexpected answer %r" % (answer,))
-
-
-# Table 1: sequential pushes, one Runner per row ###############################################
-
-
-class Runner:
-    """One row's client. ``step()`` sends one or more pushes and returns how many it sent."""
-
-    def step(self) -> int:
-        raise NotImplementedError
-
-    def close(self) -> None:
+def _die_with_parent() -> None:
+    """In a helper, before exec: get SIGTERM when bench.py dies, even by SIGKILL (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
         pass
 
 
-class AndpushRunner(Runner):
-    """``client.push(payload)`` in a loop on one andpush client (one kept-alive connection)."""
-
-    def __init__(self, target: Target) -> None:
-        self.client = andpush.new(SERVER_KEY, endpoint=target.endpoint,
-                                  ssl_context=target.ssl_context)
-        response = self.client.push(PAYLOAD)
-        check_status(response.status_code, "andpush")
-        if response.json.get("success") != 1:
-            raise RuntimeError("andpush: unexpected response JSON %r" % (response.json,))
-
-    def step(self) -> int:
-        if self.client.push(PAYLOAD).status_code != 200:
-            raise RuntimeError("andpush: fake server did not answer HTTP 200")
-        return 1
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class AndpushV1Runner(Runner):
-    """``client.push(message)`` in a loop on one v1 andpush client."""
-
-    def __init__(self, target: Target) -> None:
-        self.client = andpush_v1(target)
-        response = self.client.push(V1_MESSAGE)
-        if not response.json.get("name"):
-            raise RuntimeError("andpush v1: unexpected response JSON %r" % (response.json,))
-
-    def step(self) -> int:
-        self.client.push(V1_MESSAGE)  # raises unless 2xx
-        return 1
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class NewConnectionRunner(Runner):
-    """A new ``http.client.HTTPSConnection`` per push: connect, handshake, request, close."""
-
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        self.headers = {"Authorization": "key=" + SERVER_KEY, "Content-Type": "application/json"}
-        self.step()
-
-    def step(self) -> int:
-        conn = http.client.HTTPSConnection(
-            self.target.host, self.target.port, context=self.target.ssl_context
-        )
+def start(argv: List[str], what: str, port: int = 0) -> Tuple["subprocess.Popen[bytes]", int]:
+    """Start a helper (server, relay), remembered so that it is stopped; wait until it
+    listens on ``port``, or read the port it prints on its first line."""
+    helper = subprocess.Popen(argv, stdout=subprocess.DEVNULL if port else subprocess.PIPE,
+                              stderr=subprocess.DEVNULL if port else None,
+                              preexec_fn=_die_with_parent)
+    _helpers.append(helper)
+    deadline = time.monotonic() + START_DEADLINE
+    if not port:
+        assert helper.stdout is not None
+        with selectors.DefaultSelector() as ready:
+            ready.register(helper.stdout, selectors.EVENT_READ)
+            line = helper.stdout.readline() if ready.select(START_DEADLINE) else b""
+        if line.strip().isdigit():
+            return helper, int(line)
+    while port and time.monotonic() < deadline and helper.poll() is None:
         try:
-            conn.request("POST", FCM_PATH, body=json.dumps(PAYLOAD).encode("utf-8"),
-                         headers=self.headers)
-            response = conn.getresponse()
-            json.loads(response.read())
-        finally:
-            conn.close()
-        check_status(response.status, "http.client")
-        return 1
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return helper, port
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("%s did not start (exit status %s)" % (what, helper.poll()))
 
 
-def raw_request(target: Target) -> bytes:
-    """The bytes of one push request, built once (the headers http.client would send)."""
-    body = json.dumps(PAYLOAD).encode("utf-8")
-    head = (
-        "POST %s HTTP/1.1\r\nHost: %s:%d\r\nAccept-Encoding: identity\r\n"
-        "Authorization: key=%s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-        % (FCM_PATH, target.host, target.port, SERVER_KEY, len(body))
-    )
-    return head.encode("ascii") + body
+def stop_all() -> None:
+    while _helpers:
+        helper = _helpers.pop()
+        if helper.poll() is None:
+            helper.terminate()
+            try:
+                helper.wait(5)
+            except subprocess.TimeoutExpired:
+                helper.kill()
+                helper.wait()
 
 
-class RawSocketRunner(Runner):
-    """Pre-built request bytes on one kept-alive TLS socket: the floor for this server."""
+def cpu_seconds(pid: int) -> Optional[float]:
+    """A process's user + system CPU time from /proc (Linux), or None."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def __init__(self, target: Target) -> None:
-        self.request = raw_request(target)
-        sock = socket.create_connection((target.host, target.port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock = target.ssl_context.wrap_socket(sock, server_hostname=target.host)
-        self.step()
 
-    def step(self) -> int:
-        sock = self.sock
-        sock.sendall(self.request)
-        data = sock.recv(16384)
+# Certificates ##################################################################################
+
+SERVER_EXTENSIONS = """subjectAltName = DNS:localhost, IP:127.0.0.1
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature
+extendedKeyUsage = serverAuth
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid:always
+"""
+
+
+def make_certificates(folder: str, rsa_key: bool) -> Dict[str, str]:
+    """A throw-away CA and a server certificate for 127.0.0.1 that it signed (valid on 3.8 to
+    3.13, strict verification included), and with ``rsa_key`` an RSA key for the peers'
+    service account. Without the openssl command: the test PEMs of test_andpush.py."""
+    paths = {name: os.path.join(folder, name) for name in ("ca.pem", "cert.pem", "key.pem",
+                                                           "rsa.pem")}
+    if shutil.which("openssl") is None:
+        import test_andpush as t
+        for name, text in zip(paths, (t.TEST_CA_PEM, t.TEST_SERVER_CERT_PEM,
+                                      t.TEST_SERVER_KEY_PEM, t.TEST_RSA_KEY_PKCS8_PEM)):
+            with open(paths[name], "w") as f:
+                f.write(text)
+        return paths
+    ca_key, csr, ext = (os.path.join(folder, n) for n in ("ca.key", "cert.csr", "ext.cnf"))
+    with open(ext, "w") as f:
+        f.write(SERVER_EXTENSIONS)
+    ec = ["-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"]
+    commands = [
+        ["genpkey", *ec, "-out", ca_key],
+        ["req", "-x509", "-new", "-key", ca_key, "-subj", "/CN=andpush bench CA", "-days", "2",
+         "-addext", "basicConstraints=critical,CA:TRUE",
+         "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-out", paths["ca.pem"]],
+        ["genpkey", *ec, "-out", paths["key.pem"]],
+        ["req", "-new", "-key", paths["key.pem"], "-subj", "/CN=localhost", "-out", csr],
+        ["x509", "-req", "-in", csr, "-CA", paths["ca.pem"], "-CAkey", ca_key,
+         "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", paths["cert.pem"]],
+    ] + [["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
+          "-out", paths["rsa.pem"]]] * rsa_key
+    for command in commands:
+        subprocess.run(["openssl", *command], check=True, capture_output=True)
+    return paths
+
+
+# nginx #########################################################################################
+
+NGINX_CONFIG = """daemon off;
+master_process on;
+worker_processes 1;
+{user}
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    log_format bench '$connection $server_protocol $request_uri';
+    access_log {dir}/access.log bench;
+    {temp_paths}
+    keepalive_requests {keepalive_requests};
+    keepalive_timeout {keepalive_seconds}s;
+    http2_max_concurrent_streams {streams};
+    server {{
+        listen 127.0.0.1:{port} ssl{listen_http2};
+        {http2_on}
+        ssl_certificate {cert};
+        ssl_certificate_key {key};
+        default_type application/json;
+        location ~ ^/v1/projects/([^/]+)/messages:send$ {{
+            return 200 '{{"name": "projects/$1/messages/0:1"}}';
+        }}
+        location = /token {{ return 200 '{token}'; }}
+        location / {{ return 404 '{{"error": "not found"}}'; }}
+    }}
+}}
+"""
+
+
+def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, int, str]:
+    """Start nginx on a free loopback port: its port, its worker's pid, its access log."""
+    built = subprocess.run([nginx, "-V"], capture_output=True, text=True).stderr
+    found = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", built)
+    temp = ["client_body"] + [m for m in ("proxy", "fastcgi", "uwsgi", "scgi")
+                              if "--without-http_%s_module" % m not in built]
+    modern = found is not None and tuple(map(int, found.groups())) >= (1, 25, 1)
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    config = os.path.join(folder, "nginx.conf")
+    with open(config, "w") as f:
+        f.write(NGINX_CONFIG.format(
+            dir=folder, port=port, cert=certs["cert.pem"], key=certs["key.pem"],
+            user="user root;" if os.geteuid() == 0 else "", streams=H2_STREAMS,
+            temp_paths=" ".join("%s_temp_path %s/%s;" % (m, folder, m) for m in temp),
+            keepalive_requests=KEEPALIVE_REQUESTS, keepalive_seconds=KEEPALIVE_SECONDS,
+            listen_http2="" if modern else " http2",  # "http2 on;" is nginx 1.25.1's
+            http2_on="http2 on;" if modern else "", token=TOKEN_BODY.decode()))
+    try:
+        master, _ = start([nginx, "-p", folder, "-c", config, "-e", folder + "/error.log"],
+                          "nginx", port)
+    except RuntimeError:
+        with open(os.path.join(folder, "error.log")) as f:
+            raise RuntimeError("nginx did not start:\n" + f.read()[-2000:]) from None
+    try:
+        with open("/proc/%d/task/%d/children" % (master.pid, master.pid)) as f:
+            worker = int(f.read().split()[0])
+    except (OSError, IndexError):
+        worker = master.pid
+    return port, worker, os.path.join(folder, "access.log")
+
+
+# bench.py's own server (only without nginx) ####################################################
+# One thread, a selector over non-blocking TLS sockets. HTTP/1.1: keep-alive, Content-Length
+# bodies, routed by the request line. HTTP/2: request headers are not decoded; every stream that
+# ends gets constant frames. It logs what nginx is configured to log ("-" for an HTTP/2 path).
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, SETTINGS, PING, WINDOW_UPDATE = 0, 1, 4, 6, 8
+END_STREAM = ACK = 0x1
+END_HEADERS = 0x4
+H2_WINDOW = 1 << 20  # the server's stream and connection receive windows
+CONNECTION = bytes(4)  # stream id 0
+
+
+def h2_frame(kind: int, flags: int, stream: bytes, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream + payload
+
+
+H2_SERVER_PREFACE = h2_frame(SETTINGS, 0, CONNECTION, b"".join(
+    key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in
+    ((0x3, H2_STREAMS), (0x4, H2_WINDOW)))) + h2_frame(
+    WINDOW_UPDATE, 0, CONNECTION, (H2_WINDOW - 65535).to_bytes(4, "big"))
+# HPACK: ":status: 200" is static entry 8; content-type (static name 31) a literal without
+# indexing: 4-bit prefix 15, then 31 - 15 = 16, then the raw value's length and the value.
+H2_ANSWER_BLOCK = b"\x88\x0f\x10\x10application/json"
+H1_ANSWERS = {path: (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d"
+                     b"\r\n\r\n%s" % (status, len(body), body)) for path, status, body in (
+    ("send", b"200 OK", V1_BODY), ("/token", b"200 OK", TOKEN_BODY),
+    ("", b"404 Not Found", b'{"error": "not found"}'))}
+
+
+class OwnConnection:
+    """One client connection of the own server: TLS handshake, then requests."""
+
+    def __init__(self, sock: ssl.SSLSocket, serial: int) -> None:
+        self.sock, self.serial = sock, serial
+        self.protocol = ""  # after the handshake: "HTTP/1.1" or "HTTP/2.0"
+        self.inbox, self.out = bytearray(), bytearray()
+        self.unacknowledged = 0  # DATA bytes not yet given back by a WINDOW_UPDATE
+
+    def on_ready(self) -> List[str]:
+        """Handshake, read all there is, answer; the paths answered."""
+        if not self.protocol:
+            try:
+                self.sock.do_handshake()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return []
+            h2 = self.sock.selected_alpn_protocol() == "h2"
+            self.protocol = "HTTP/2.0" if h2 else "HTTP/1.1"
+            self.out += H2_SERVER_PREFACE if h2 else b""
+        answered: List[str] = []
         while True:
-            head_end = data.find(b"\r\n\r\n")
-            if head_end >= 0:
-                head = data[:head_end].lower()
-                start = head.find(b"\r\ncontent-length:") + 17
-                end = head.find(b"\r\n", start)
-                length = int(head[start : end if end >= 0 else len(head)])
-                if len(data) >= head_end + 4 + length:
-                    break
-            more = sock.recv(16384)
+            try:
+                data = self.sock.recv(65536)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                break
+            if not data:
+                raise EOFError
+            self.inbox += data
+            answered += self.answer_h2() if self.protocol == "HTTP/2.0" else self.answer_h1()
+        while self.out:
+            try:
+                del self.out[:self.sock.send(self.out)]
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                break
+        return answered
+
+    def answer_h1(self) -> List[str]:
+        answered, inbox = [], self.inbox
+        while True:
+            end = inbox.find(b"\r\n\r\n")
+            found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", inbox[:end])
+            stop = end + 4 + (int(found.group(1)) if found else 0)
+            if end < 0 or len(inbox) < stop:
+                return answered
+            path = bytes(inbox[:end]).split(b" ", 2)[1].decode("latin-1")
+            self.out += H1_ANSWERS["send" if path.endswith("/messages:send") else
+                                   path if path == "/token" else ""]
+            del inbox[:stop]
+            answered.append(path)
+
+    def answer_h2(self) -> List[str]:
+        inbox, answered, received = self.inbox, [], 0
+        offset = len(H2_PREFACE) if inbox.startswith(H2_PREFACE) else 0
+        while len(inbox) - offset >= 9 and len(inbox) >= offset + 9 + int.from_bytes(
+                inbox[offset:offset + 3], "big"):
+            stop = offset + 9 + int.from_bytes(inbox[offset:offset + 3], "big")
+            kind, flags, stream = inbox[offset + 3], inbox[offset + 4], inbox[offset + 5:offset + 9]
+            received += stop - offset - 9 if kind == DATA else 0
+            if kind in (DATA, HEADERS) and flags & END_STREAM:
+                self.out += (h2_frame(HEADERS, END_HEADERS, stream, H2_ANSWER_BLOCK)
+                             + h2_frame(DATA, END_STREAM, stream, V1_BODY))
+                answered.append("-")
+            elif kind in (SETTINGS, PING) and not flags & ACK:
+                self.out += h2_frame(kind, ACK, stream, inbox[offset + 9:stop] if kind == PING
+                                     else b"")
+            offset = stop
+        del inbox[:offset]
+        self.unacknowledged += received
+        if self.unacknowledged >= H2_WINDOW // 2:
+            self.out += h2_frame(WINDOW_UPDATE, 0, CONNECTION,
+                                 self.unacknowledged.to_bytes(4, "big"))
+            self.unacknowledged = 0
+        return answered
+
+
+def serve(cert: str, key: str, log_path: str) -> None:
+    """The own server's loop (``--serve``): prints its port, then serves until killed."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    serials = itertools.count(1)
+    print(listener.getsockname()[1], flush=True)
+    with open(log_path, "a") as log:
+        while True:
+            for ready, _ in selector.select():
+                if ready.data is None:
+                    raw, _ = listener.accept()
+                    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    raw.setblocking(False)
+                    tls = context.wrap_socket(raw, server_side=True,
+                                              do_handshake_on_connect=False)
+                    selector.register(tls, selectors.EVENT_READ, OwnConnection(tls, next(serials)))
+                    continue
+                connection: OwnConnection = ready.data
+                try:
+                    answered = connection.on_ready()
+                except (OSError, EOFError):
+                    selector.unregister(connection.sock)
+                    connection.sock.close()
+                    continue
+                log.write("".join("%d %s %s\n" % (connection.serial, connection.protocol, path)
+                                  for path in answered))
+                selector.modify(connection.sock, selectors.EVENT_READ | (
+                    selectors.EVENT_WRITE if connection.out else 0), connection)
+            log.flush()
+
+
+# The relay: 25 ms each way #####################################################################
+
+class Leg:
+    """One socket of a relayed connection and the bytes due to be written to it."""
+
+    def __init__(self, sock: socket.socket, selector: selectors.BaseSelector,
+                 not_before: float) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.selector = sock, selector
+        self.not_before = not_before  # what this socket reads goes on no earlier than this
+        self.out = bytearray()
+        self.peer: "Leg" = self
+        self.reading, self.closed = True, False
+        self.events = 0  # what the selector watches for now
+        self.watch()
+
+    def watch(self) -> None:
+        events = ((selectors.EVENT_READ if self.reading else 0)
+                  | (selectors.EVENT_WRITE if self.out else 0))
+        if events != self.events:
+            if not self.events:
+                self.selector.register(self.sock, events, self)
+            elif not events:
+                self.selector.unregister(self.sock)
+            else:
+                self.selector.modify(self.sock, events, self)
+            self.events = events
+
+    def deliver(self, data: bytes) -> None:
+        """Bytes whose delay is over (b"": the other side closed: close once written)."""
+        if self.closed:
+            return
+        self.out += data
+        self.flush()
+        if not data and not self.closed:
+            self.close()
+
+    def flush(self) -> None:
+        try:
+            while self.out:
+                del self.out[:self.sock.send(self.out)]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.close()
+            return
+        self.watch()
+
+    def receive(self) -> Optional[bytes]:
+        """What the socket has (b"" at its end, None if nothing yet)."""
+        try:
+            data = self.sock.recv(262144)
+        except BlockingIOError:
+            return None
+        except OSError:
+            data = b""
+        if not data:
+            self.reading = False
+            self.watch()
+        return data
+
+    def close(self) -> None:
+        for leg in (self, self.peer):
+            if not leg.closed:
+                leg.closed, leg.reading = True, False
+                leg.out.clear()
+                leg.watch()
+                leg.sock.close()
+
+
+def relay(upstream_port: int, delay: float) -> None:
+    """The relay's loop (``--relay``): prints its port, then relays until killed."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    listener.setblocking(False)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    due: List[Tuple[float, int, Leg, bytes]] = []  # a heap: (when, order, to whom, what)
+    order = itertools.count()
+    print(listener.getsockname()[1], flush=True)
+    while True:
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            _, _, leg, data = heapq.heappop(due)
+            leg.deliver(data)
+        timeout = max(0.0, due[0][0] - now) if due else None
+        for key, events in selector.select(timeout):
+            now = time.monotonic()
+            if key.data is None:
+                try:
+                    client, _ = listener.accept()
+                except BlockingIOError:
+                    continue
+                upstream = socket.create_connection(("127.0.0.1", upstream_port))
+                # the client's first bytes wait a round trip more: its TCP handshake
+                near, far = Leg(client, selector, now + 2 * delay), Leg(upstream, selector, now)
+                near.peer, far.peer = far, near
+                continue
+            leg = key.data
+            if events & selectors.EVENT_WRITE:
+                leg.flush()
+            if leg.closed or not events & selectors.EVENT_READ:
+                continue
+            data = leg.receive()
+            if data is not None:
+                heapq.heappush(due, (max(now, leg.not_before) + delay, next(order), leg.peer,
+                                     data))
+
+
+# The rows' clients (each row runs in a child process: --child NAME) ############################
+
+MESSAGE = {"token": DEVICE_TOKEN,
+           "notification": {"title": "Benchmark", "body": "andpush benchmark push"},
+           "data": {"kind": "bench", "id": "0"}}
+
+
+def messages(count: int) -> Iterator[Dict[str, Any]]:
+    """``count`` distinct v1 messages, made as they are read."""
+    for number in range(count):
+        yield dict(MESSAGE, data={"kind": "bench", "id": str(number)})
+
+
+class Tally:
+    """What a row's pushes ended in: successes, failures, the first failure."""
+
+    def __init__(self) -> None:
+        self.ok, self.failed, self.first_error = 0, 0, ""
+
+    def add(self, outcome: object) -> None:
+        if isinstance(outcome, Exception):
+            self.failed += 1
+            self.first_error = self.first_error or repr(outcome)[:300]
+        else:
+            self.ok += 1
+
+    def call(self, function: Callable[..., object], *args: Any) -> None:
+        try:
+            self.add(function(*args))
+        except Exception as exc:  # andpush.Error or a peer's: counted, not fatal
+            self.add(exc)
+
+
+class RawConnection:
+    """Pre-built HTTP/1.1 requests on one kept-alive TLS socket: no client can do less."""
+
+    def __init__(self, port: int, cafile: str, project: str = PROJECT) -> None:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        context = ssl.create_default_context(cafile=cafile)
+        self.sock = context.wrap_socket(sock, server_hostname="127.0.0.1")
+        body = json.dumps({"message": MESSAGE}).encode()
+        self.request = b"".join((
+            b"POST /v1/projects/%s/messages:send HTTP/1.1\r\n" % project.encode(),
+            b"Host: 127.0.0.1:%d\r\nAuthorization: Bearer bench-token\r\n" % port,
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body), body))
+        self.answer_length = len(self.exchange())  # every answer is as long (a fixed body)
+        self.sent = self.done = self.received = 0  # for pipelining
+
+    def exchange(self) -> bytes:
+        self.sock.sendall(self.request)
+        data = b""
+        while True:
+            more = self.sock.recv(65536)
             if not more:
-                raise ConnectionError("raw socket: server closed the connection")
+                raise ConnectionError("the server closed the connection")
             data += more
-        if not data.startswith(b"HTTP/1.1 200 "):
-            raise RuntimeError("raw socket: unexpected answer %r" % data[:40])
-        return 1
+            end = data.find(b"\r\n\r\n")
+            found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:end]) if end > 0 else None
+            if found and len(data) >= end + 4 + int(found.group(1)):
+                if not data.startswith(b"HTTP/1.1 200 "):
+                    raise RuntimeError("unexpected answer %r" % data[:60])
+                return data
 
-    def close(self) -> None:
-        self.sock.close()
-
-
-class PyfcmRunner(Runner):
-    """pyfcm ``notify()`` in a loop (v1 API over a requests session)."""
-
-    def __init__(self, target: Target) -> None:
-        self.peer = Pyfcm(target)
-        self.step()
-
-    def step(self) -> int:
-        self.peer.notify()
-        return 1
+    def repeat(self, tally: Tally, count: int) -> None:
+        for _ in range(count):
+            tally.call(self.exchange)
 
 
-class FirebaseSendRunner(Runner):
-    """firebase-admin ``messaging.send(message)`` in a loop (v1 API over requests)."""
+def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None:
+    """Send ``count`` requests over the connections, CEILING_DEPTH in flight on each."""
+    each = count // len(connections)
+    selector = selectors.DefaultSelector()
+    for connection in connections:
+        connection.sent = min(CEILING_DEPTH, each)
+        connection.sock.sendall(connection.request * connection.sent)
+        selector.register(connection.sock, selectors.EVENT_READ, connection)
+    busy = len(connections)
+    while busy:
+        ready = selector.select(CHILD_DEADLINE)
+        if not ready:
+            raise TimeoutError("no answer for %d s" % CHILD_DEADLINE)
+        for key, _ in ready:
+            connection = key.data
+            data = connection.sock.recv(262144)
+            while connection.sock.pending():
+                data += connection.sock.recv(262144)
+            if not data:
+                raise ConnectionError("the server closed a connection")
+            connection.received += len(data)
+            done = connection.received // connection.answer_length
+            more = min(done - connection.done, each - connection.sent)
+            tally.ok, connection.done = tally.ok + done - connection.done, done
+            if more:
+                connection.sock.sendall(connection.request * more)
+                connection.sent += more
+            if done >= each:
+                selector.unregister(connection.sock)
+                busy -= 1
 
-    def __init__(self, target: Target) -> None:
-        self.peer = FirebaseAdmin(target)
-        self.step()
 
-    def step(self) -> int:
-        self.peer.messaging.send(self.peer.message, app=self.peer.app)
-        return 1
+Work = Tuple[Callable[[Tally, int], None], Callable[[], object]]  # timed part, clean-up
 
-    def close(self) -> None:
-        self.peer.close()
 
+def andpush_client(row: Row, port: int, cafile: str) -> Any:
+    import andpush
+    return andpush.new(access_token="bench-token", project_id=PROJECT,
+                       endpoint="https://127.0.0.1:%d" % port,
+                       ssl_context=ssl.create_default_context(cafile=cafile), http2=row.http2)
+
+
+def setup_floor(row: Row, port: int, cafile: str, project: str = PROJECT) -> Work:
+    connection = RawConnection(port, cafile, project)
+    return connection.repeat, connection.sock.close
+
+
+def setup_ceiling(row: Row, port: int, cafile: str) -> Work:
+    with concurrent.futures.ThreadPoolExecutor(CEILING_CONNECTIONS) as pool:  # handshakes
+        connections = list(pool.map(lambda _: RawConnection(port, cafile),
+                                    range(CEILING_CONNECTIONS)))
+    return (lambda tally, count: pipeline(connections, tally, count),
+            lambda: [c.sock.close() for c in connections])
+
+
+def setup_push(row: Row, port: int, cafile: str) -> Work:
+    client = andpush_client(row, port, cafile)
+    client.push(MESSAGE)  # the connection is up, as the floor's is
+
+    def work(tally: Tally, count: int) -> None:
+        for message in messages(count):
+            tally.call(client.push, message)
+    return work, client.close
+
+
+def setup_threads(row: Row, port: int, cafile: str) -> Work:
+    client = andpush_client(row, port, cafile)
+
+    def work(tally: Tally, count: int) -> None:
+        tallies = [Tally() for _ in range(row.concurrency)]  # one per thread: no lock
+        threads = [threading.Thread(target=lambda t=t: [
+            t.call(client.push, m) for m in messages(count // row.concurrency)])
+            for t in tallies]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for each in tallies:
+            tally.ok, tally.failed = tally.ok + each.ok, tally.failed + each.failed
+            tally.first_error = tally.first_error or each.first_error
+    return work, client.close
+
+
+def setup_many(row: Row, port: int, cafile: str) -> Work:
+    client = andpush_client(row, port, cafile)
+    warm = Tally()
+    for outcome in client.push_many(messages(row.warm), concurrency=row.concurrency):
+        warm.add(outcome)
+    if warm.failed:
+        raise RuntimeError("warm-up failed: " + warm.first_error)
+
+    def work(tally: Tally, count: int) -> None:
+        for _ in range(row.batches):
+            for outcome in client.push_many(messages(count), concurrency=row.concurrency):
+                tally.add(outcome)
+    return work, client.close
+
+
+def service_account(port: int, rsa_key: str) -> Dict[str, str]:
+    with open(rsa_key) as f:
+        key = f.read()
+    return {"type": "service_account", "project_id": PROJECT, "private_key_id": "bench",
+            "private_key": key, "client_email": "bench@p.iam.gserviceaccount.com",
+            "client_id": "1", "token_uri": "https://127.0.0.1:%d/token" % port}
+
+
+def setup_pyfcm(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
+    from google.oauth2 import service_account as google_service_account
+    from pyfcm import FCMNotification
+    credentials = google_service_account.Credentials.from_service_account_info(
+        service_account(port, rsa_key),
+        scopes=["https://www.googleapis.com/auth/firebase.messaging"])
+    fcm = FCMNotification(credentials=credentials, project_id=PROJECT)
+    fcm.FCM_END_POINT_BASE = "https://127.0.0.1:%d/v1/projects" % port  # a class constant
+
+    def notify() -> object:
+        return fcm.notify(fcm_token=DEVICE_TOKEN, notification_title="Benchmark",
+                          notification_body="andpush benchmark push",
+                          data_payload={"kind": "bench", "id": "0"})
+    notify()
+
+    def work(tally: Tally, count: int) -> None:
+        for _ in range(count):
+            tally.call(notify)
+    return work, lambda: None
+
+
+def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
+    import firebase_admin
+    import requests
+    from firebase_admin import _http_client, credentials, messaging
+    app = firebase_admin.initialize_app(
+        credentials.Certificate(service_account(port, rsa_key)), name="bench")
+    endpoint = "https://127.0.0.1:%d" % port
+    service_class = messaging._MessagingService  # it reads FCM_URL when it is made
+    original, service_class.FCM_URL = (service_class.FCM_URL,
+                                       endpoint + "/v1/projects/{0}/messages:send")
+    try:
+        service = messaging._get_messaging_service(app)
+    finally:
+        service_class.FCM_URL = original
+    # the pool firebase-admin mounts for FCM's host, mounted for this one
+    service._client.session.mount(endpoint, requests.adapters.HTTPAdapter(
+        pool_connections=100, pool_maxsize=100, max_retries=_http_client.DEFAULT_RETRY_CONFIG))
+    message = messaging.Message(token=DEVICE_TOKEN, data=MESSAGE["data"],
+                                notification=messaging.Notification(title="Benchmark",
+                                                                    body="andpush push"))
+    messaging.send(message, app=app)
+
+    def send(tally: Tally, count: int) -> None:
+        for _ in range(count):
+            tally.call(lambda: messaging.send(message, app=app))
+
+    def send_each(tally: Tally, count: int) -> None:
+        for start_at in range(0, count, 500):
+            batch = messaging.send_each([message] * min(500, count - start_at), app=app)
+            for response in batch.responses:
+                tally.add(response.message_id if response.success else response.exception)
+    return (send if row.kind == "fbadmin-send" else send_each,
+            lambda: firebase_admin.delete_app(app))
+
+
+SETUPS: Dict[str, Callable[..., Work]] = {
+    "floor": setup_floor, "ceiling": setup_ceiling, "push": setup_push,
+    "threads": setup_threads, "many": setup_many, "pyfcm": setup_pyfcm,
+    "fbadmin-send": setup_fbadmin, "fbadmin-each": setup_fbadmin,
+}
+
+
+def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Dict[str, Any]:
+    """Set a row's client up, time its work (taking turns with a floor of its own when it is
+    compared with the floor), and say how it went: printed as JSON for the parent."""
+    count = row.quick if quick else row.count
+    sides = {"row": SETUPS[row.kind](row, port, cafile, *[rsa_key] * bool(row.module))}
+    if row.base == "floor":
+        sides["floor"] = setup_floor(row, port, cafile, FLOOR_PROJECT)
+    slices = FLOOR_SLICES if row.base == "floor" else 1
+    report: Dict[str, Any] = collections.defaultdict(float)
+    tallies = {side: Tally() for side in sides}
+    for _ in range(slices):
+        for side, (work, _) in sides.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            work(tallies[side], count // slices)
+            report[side + "_seconds"] += time.perf_counter() - wall
+            report[side + "_cpu"] += time.process_time() - cpu
+    for side, (_, clean_up) in sides.items():
+        clean_up()
+        report.update({side + "_ok": tallies[side].ok, side + "_failed": tallies[side].failed,
+                       side + "_error": tallies[side].first_error})
+    return report
+
+
+# Running the rows, the table ###################################################################
 
 @dataclass
-class Row:
-    """One line of table 1: a way of sending pushes, and what it is compared with."""
+class Setting:
+    """What the rows run against."""
 
-    name: str
-    make: Callable[[Target], Runner]
-    delay_ms: float = 0.0  # the fake server waits this long before each answer
-    baseline: Optional[str] = None  # name of the row this one is compared with ...
-    target: Optional[float] = None  # ... and the least rate / baseline rate it should reach
-
-
-RAW_FLOOR = "raw socket (floor)"
-ANDPUSH_PUSH = "andpush push() (keep-alive)"
-ANDPUSH_PUSH_V1 = "andpush push() v1 (keep-alive)"
-PYFCM_NOTIFY = "pyfcm notify() (peer)"
-FIREBASE_SEND = "firebase-admin messaging.send() (peer)"
-
-ROWS: List[Row] = [
-    Row(ANDPUSH_PUSH, AndpushRunner, baseline=RAW_FLOOR, target=0.60),
-    Row(ANDPUSH_PUSH_V1, AndpushV1Runner),
-    Row("http.client, new connection per push", NewConnectionRunner),
-    Row(RAW_FLOOR, RawSocketRunner),
-    Row(PYFCM_NOTIFY, PyfcmRunner),
-    Row(FIREBASE_SEND, FirebaseSendRunner),
-]
-# (andpush row, peer row): printed as andpush's rate divided by the peer's.
-PEER_PAIRS = [(ANDPUSH_PUSH_V1, PYFCM_NOTIFY), (ANDPUSH_PUSH_V1, FIREBASE_SEND)]
+    server: str  # "nginx" or "own"
+    port: int
+    relay_port: int
+    server_pid: int  # nginx's worker
+    relay_pid: int
+    log: str  # lines of "connection protocol path"
+    certs: Dict[str, str]
+    rtt: float = 0.0
 
 
 @dataclass
 class Result:
     row: Row
-    samples: List[float] = field(default_factory=list)  # pushes per second, one per sample
-    pushes: int = 0
-    status: str = "ok"  # or "error"/"skipped" (with a note saying why)
+    cells: Tuple[str, ...] = ("-",) * 7  # server, proto, conns, msg/s, ratio, CPU/1k, srv/relay
+    cpu: Optional[float] = None  # seconds per 1,000 messages
+    checks: Tuple[Tuple[str, bool], ...] = ()  # (target, met)
     note: str = ""
-    seconds: float = 0.0  # over all samples
-    client_cpu: float = 0.0  # CPU seconds of this process during the samples
-    server_cpu: float = 0.0  # of the busiest server process, during the samples
-    server_total_cpu: float = 0.0  # of all server processes, during the samples
 
-    @property
-    def rate(self) -> float:
-        return statistics.mean(self.samples) if self.samples else 0.0
 
-    @property
-    def bound(self) -> str:
-        return verdict(self.seconds, self.client_cpu, self.server_cpu, self.server_total_cpu,
-                       self.row.delay_ms)
-
-    @property
-    def spread(self) -> float:
-        """Standard deviation of the samples' rates, in percent of their mean."""
-        if len(self.samples) < 2 or not self.rate:
-            return 0.0
-        return 100.0 * statistics.stdev(self.samples) / self.rate
-
-
-def run_for(runner: Runner, seconds: float) -> Tuple[int, float]:
-    """Call ``runner.step()`` until ``seconds`` have passed: (pushes, elapsed seconds)."""
-    step = runner.step
-    clock = time.perf_counter
-    start = clock()
-    deadline = start + seconds
-    count = 0
-    while True:
-        count += step()
-        now = clock()
-        if now >= deadline:
-            return count, now - start
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def mark_failed(result: Any, stage: str, exc: BaseException) -> None:
-    """Mark a row of either table as skipped (a peer not installed) or failed."""
-    if isinstance(exc, Skipped):
-        result.status, result.note = "skipped", str(exc)
-    else:
-        result.status, result.note = "error", "%s failed: %r" % (stage, exc)
-
-
-def measure(rows: Sequence[Row], servers: Servers, warmup: float, samples: int,
-            duration: float) -> List[Result]:
-    """Set up and warm up every row, then take the samples in rounds, one row after another."""
-    results = [Result(row) for row in rows]
-    runners: Dict[int, Runner] = {}
-    try:
-        for index, result in enumerate(results):
-            progress("warming up: %s" % result.row.name)
-            try:
-                runner = result.row.make(servers.target(ServerKind(result.row.delay_ms)))
-            except Exception as exc:  # a broken row must not hide the others' numbers
-                mark_failed(result, "set-up", exc)
-                continue
-            runners[index] = runner
-            try:
-                run_for(runner, warmup)
-            except Exception as exc:
-                mark_failed(result, "warm-up", exc)
-                runners.pop(index).close()
-        for number in range(1, samples + 1):
-            progress("sample %d of %d" % (number, samples))
-            for index, runner in list(runners.items()):
-                result = results[index]
-                group = servers.group(ServerKind(result.row.delay_ms))
-                try:
-                    server_before = group.stats()
-                    cpu_before = time.process_time()
-                    count, elapsed = run_for(runner, duration)
-                    result.client_cpu += time.process_time() - cpu_before
-                    server = [after - before
-                              for after, before in zip(group.stats(), server_before)]
-                except Exception as exc:
-                    mark_failed(result, "sample", exc)
-                    runners.pop(index).close()
-                    continue
-                result.pushes += count
-                result.samples.append(count / elapsed)
-                result.seconds += elapsed
-                result.server_cpu += max(s.cpu_seconds for s in server)
-                result.server_total_cpu += sum(s.cpu_seconds for s in server)
-    finally:
-        for runner in runners.values():
-            runner.close()
-    return results
-
-
-# Table 2: bulk sends, one BulkRunner per row ##################################################
-
-
-@dataclass
-class Sent:
-    """What a bulk run sent: messages answered with a success, failures, the first failure."""
-
-    ok: int = 0
-    failed: int = 0
-    first_error: str = ""
-
-    def count(self, outcome: object) -> None:
-        if isinstance(outcome, andpush.Response):
-            self.ok += 1
-            return
-        self.failed += 1
-        if not self.first_error:
-            self.first_error = repr(outcome)
-
-
-class BulkRunner:
-    """One bulk row's client: set up and warmed up in ``__init__``, timed in ``send()``."""
-
-    def send(self, count: int) -> Sent:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class PushManyRunner(BulkRunner):
-    """``client.push_many(messages, concurrency=...)`` on a v1 client, outcomes counted."""
-
-    def __init__(self, target: Target, concurrency: int) -> None:
-        self.client = andpush_v1(target)
-        self.concurrency = concurrency
-        self.send(concurrency)  # warm-up: every worker's code path once
-
-    def send(self, count: int) -> Sent:
-        sent = Sent()
-        for outcome in self.client.push_many(v1_messages(count), concurrency=self.concurrency):
-            sent.count(outcome)
-        return sent
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class PushRunner(BulkRunner):
-    """``client.push(message)`` one after another on a v1 client."""
-
-    def __init__(self, target: Target, concurrency: int) -> None:
-        self.client = andpush_v1(target)
-        self.send(1)
-
-    def send(self, count: int) -> Sent:
-        sent = Sent()
-        for message in v1_messages(count):
-            try:
-                sent.count(self.client.push(message))
-            except andpush.Error as exc:
-                sent.count(exc)
-        return sent
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class SendEachRunner(BulkRunner):
-    """firebase-admin ``messaging.send_each(chunk)`` for chunks of 500, one after another."""
-
-    CHUNK = 500
-
-    def __init__(self, target: Target, concurrency: int) -> None:
-        self.peer = FirebaseAdmin(target)
-        self.send(10)
-
-    def send(self, count: int) -> Sent:
-        sent = Sent()
-        for start in range(0, count, self.CHUNK):
-            chunk = [self.peer.message] * min(self.CHUNK, count - start)
-            batch = self.peer.messaging.send_each(chunk, app=self.peer.app)
-            sent.ok += batch.success_count
-            sent.failed += batch.failure_count
-            if batch.failure_count and not sent.first_error:
-                sent.first_error = repr(next(r.exception for r in batch.responses
-                                             if not r.success))
-        return sent
-
-    def close(self) -> None:
-        self.peer.close()
-
-
-class NotifyRunner(BulkRunner):
-    """pyfcm ``notify()`` one after another."""
-
-    def __init__(self, target: Target, concurrency: int) -> None:
-        self.peer = Pyfcm(target)
-        self.send(1)
-
-    def send(self, count: int) -> Sent:
-        sent = Sent()
-        for _ in range(count):
-            try:
-                self.peer.notify()
-                sent.ok += 1
-            except Exception as exc:
-                sent.count(exc)
-        return sent
-
-
-@dataclass
-class BulkRow:
-    """One line of table 2 or 3: how many messages, how, at what concurrency and answer delay,
-    over which protocol."""
-
-    name: str
-    make: Callable[[Target, int], BulkRunner]
-    messages: int
-    concurrency: int  # messages in flight at once (1: sequential)
-    delay_ms: float
-    min_of_ideal: Optional[float] = None  # target: rate / ideal rate at least this
-    min_rate: Optional[float] = None  # target: messages per second at least this
-    max_memory_mb: Optional[float] = None  # target: peak resident memory growth below this
-    max_cpu_per_1000: Optional[float] = None  # target: client CPU s per 1,000 messages at most
-    note: str = ""
-    http2: bool = False  # andpush.new(http2=...)
-    h2_max_streams: int = 0  # the server offers h2 with this many streams; 0: HTTP/1.1 only
-    table: int = 2
-
-    @property
-    def server(self) -> ServerKind:
-        return ServerKind(self.delay_ms, self.h2_max_streams)
-
-    @property
-    def protocol(self) -> str:
-        """What the row's client and server speak: HTTP/2 when both offer h2."""
-        return "HTTP/2" if self.http2 and self.h2_max_streams else "HTTP/1.1"
-
-    @property
-    def unlimited_ideal(self) -> Optional[float]:
-        """concurrency / latency: the rate of a client that costs nothing, sending forever."""
-        return self.concurrency * 1000.0 / self.delay_ms if self.delay_ms else None
-
-    @property
-    def ideal(self) -> Optional[float]:
-        """The most the row can reach: its messages need at least ceil(messages /
-        concurrency) answer delays, one after another (concurrency / latency when the
-        messages are a multiple of the concurrency)."""
-        if not self.delay_ms:
-            return None
-        rounds = math.ceil(self.messages / self.concurrency)
-        return self.messages * 1000.0 / (rounds * self.delay_ms)
-
-    @property
-    def ideal_note(self) -> str:
-        """Says so when ``ideal`` is below concurrency / latency."""
-        ideal, unlimited = self.ideal, self.unlimited_ideal
-        if ideal is None or unlimited is None or ideal >= unlimited * 0.9995:
-            return ""
-        return ("ideal capped at {:,.0f}/s (concurrency / latency: {:,.0f}/s): {:,} messages "
-                "need {} rounds of {:g} ms".format(
-                    ideal, unlimited, self.messages,
-                    math.ceil(self.messages / self.concurrency), self.delay_ms))
-
-
-PUSH_MANY_100 = "andpush push_many, concurrency 100"
-PUSH_SEQUENTIAL = "andpush push(), sequential"
-SEND_EACH = "firebase-admin send_each, chunks of 500 (peer)"
-NOTIFY_SEQUENTIAL = "pyfcm notify(), sequential (peer)"
-TEN_MILLION = "andpush push_many, concurrency 200 (10M/hour)"
-MEMORY = "andpush push_many, generator, concurrency 50"
-# (andpush row, peer row) in table 2
-BULK_PEER_PAIRS = [(PUSH_MANY_100, SEND_EACH), (PUSH_SEQUENTIAL, NOTIFY_SEQUENTIAL)]
-# Table 3: push_many over HTTP/2 and over HTTP/1.1 at these concurrencies, and its targets.
-H2_CONCURRENCIES = (100, 500, 700)
-H2_MIN_RATE = 10000.0  # the best HTTP/2 row, msg/s from one process
-H2_MIN_OF_IDEAL = 0.90  # each HTTP/2 row
-H2_MAX_CPU_PER_1000 = 0.03  # each HTTP/2 row: client CPU seconds per 1,000 messages
-
-
-def h2_row_name(protocol: str, concurrency: int) -> str:
-    return "andpush push_many %s, concurrency %d" % (protocol, concurrency)
-
-
-def bulk_rows(delay_ms: float, quick: bool, memory_messages: Optional[int],
-              h2_max_streams: int = H2_GFE_MAX_STREAMS) -> List[BulkRow]:
-    """The rows of tables 2 and 3; ``quick`` sends fewer messages.
-
-    Table 2's latency-bound rows are issue 4's, whose targets were set for HTTP/1.1 with a
-    thread per message in flight: they keep to HTTP/1.1 (``http2=False``, a server without
-    h2), as do the peers, which only speak HTTP/1.1. The bounded-memory row goes over HTTP/2,
-    push_many's path against FCM now (and four times faster here than over HTTP/1.1).
-    """
-    sequential = 20 if quick else 60
-    memory = memory_messages or (20000 if quick else 1000000)
-    rows = [
-        BulkRow(PUSH_MANY_100, PushManyRunner, 5000, 100, delay_ms, min_of_ideal=0.80),
-        BulkRow(PUSH_SEQUENTIAL, PushRunner, sequential, 1, delay_ms),
-        BulkRow(SEND_EACH, SendEachRunner, 2000 if quick else 5000, 500, delay_ms,
-                note="500 threads per chunk, 100 pooled connections"),
-        BulkRow(NOTIFY_SEQUENTIAL, NotifyRunner, sequential, 1, delay_ms),
-        BulkRow(TEN_MILLION, PushManyRunner, 8000 if quick else 20000, 200, delay_ms,
-                min_rate=3000.0),
-        BulkRow(MEMORY, PushManyRunner, memory, 50, 0.0, max_memory_mb=50.0,
-                note="--quick: only {:,} messages, too few to judge memory".format(memory)
-                if quick and not memory_messages else "", http2=True,
-                h2_max_streams=h2_max_streams),
-    ]
-    # Messages per row: a few seconds each (--quick: about one). HTTP/1.1 sends more slowly
-    # and opens a connection (and a thread) per unit of concurrency: fewer messages.
-    h2_messages = {100: 2000, 500: 10000, 700: 14000} if quick else {
-        100: 8000, 500: 30000, 700: 42000}
-    http1_messages = {100: 2000, 500: 4000, 700: 7000} if quick else {
-        100: 5000, 500: 10000, 700: 10000}
-    for concurrency in H2_CONCURRENCIES:
-        rows.append(BulkRow(
-            h2_row_name("HTTP/2", concurrency), PushManyRunner, h2_messages[concurrency],
-            concurrency, delay_ms, min_of_ideal=H2_MIN_OF_IDEAL,
-            max_cpu_per_1000=H2_MAX_CPU_PER_1000, http2=True, h2_max_streams=h2_max_streams,
-            table=3))
-    for concurrency in H2_CONCURRENCIES:
-        rows.append(BulkRow(
-            h2_row_name("HTTP/1.1", concurrency), PushManyRunner,
-            http1_messages[concurrency], concurrency, delay_ms, http2=False,
-            h2_max_streams=h2_max_streams, table=3))
-    return rows
-
-
-@dataclass
-class BulkResult:
-    row: BulkRow
-    status: str = "ok"  # or "error"/"skipped" (with a note saying why)
-    note: str = ""
-    sent: Sent = field(default_factory=Sent)
-    seconds: float = 0.0
-    client_cpu: float = 0.0  # seconds of CPU time of this process while sending
-    context_switches: int = 0  # of this process (all its threads) while sending
-    server: List[ServerStats] = field(default_factory=list)  # per server process, this row
-    memory_growth: Optional[int] = None  # bytes of peak resident memory growth
-    memory_how: str = ""
-
-    @property
-    def rate(self) -> float:
-        return self.sent.ok / self.seconds if self.seconds else 0.0
-
-    @property
-    def of_ideal(self) -> Optional[float]:
-        ideal = self.row.ideal
-        return self.rate / ideal if ideal else None
-
-    @property
-    def cpu_per_message(self) -> float:
-        """Client CPU seconds per message."""
-        return self.client_cpu / self.sent.ok if self.sent.ok else 0.0
-
-    @property
-    def client_share(self) -> float:
-        return self.client_cpu / self.seconds if self.seconds else 0.0
-
-    @property
-    def server_share(self) -> float:
-        """CPU of the busiest server process, as a share of one core over the row."""
-        busiest = max((s.cpu_seconds for s in self.server), default=0.0)
-        return busiest / self.seconds if self.seconds else 0.0
-
-    @property
-    def server_total_share(self) -> float:
-        """CPU of all the server processes, in cores over the row."""
-        total = sum(s.cpu_seconds for s in self.server)
-        return total / self.seconds if self.seconds else 0.0
-
-    @property
-    def connections(self) -> int:
-        return sum(s.connections for s in self.server)
-
-    @property
-    def h2_connections(self) -> int:
-        """The connections on which the server saw the client pick h2."""
-        return sum(s.h2_connections for s in self.server)
-
-    @property
-    def bound(self) -> str:
-        busiest = max((s.cpu_seconds for s in self.server), default=0.0)
-        return verdict(self.seconds, self.client_cpu, busiest,
-                       sum(s.cpu_seconds for s in self.server), self.row.delay_ms)
-
-    def targets(self) -> List[Tuple[str, Optional[bool]]]:
-        """(description, met: None when the row did not run) for each target of the row."""
-        ran = self.status == "ok"
-        row = self.row
-        found: List[Tuple[str, Optional[bool]]] = []
-        if row.min_of_ideal is not None:
-            found.append(("%s: %s msg/s = %.3f of the ideal %s/s%s (target >= %.2f)" % (
-                row.name, "{:,.0f}".format(self.rate), self.of_ideal or 0.0,
-                "{:,.0f}".format(row.ideal or 0), " (capped)" if row.ideal_note else "",
-                row.min_of_ideal),
-                (self.of_ideal or 0.0) >= row.min_of_ideal if ran else None))
-        if row.min_rate is not None:
-            hours = 1e7 / self.rate / 3600 if self.rate else float("inf")
-            found.append(("%s: %s msg/s, %.0f us client CPU/msg; 10 million take %.2f h "
-                          "(target >= %s msg/s)" % (
-                              row.name, "{:,.0f}".format(self.rate),
-                              1e6 * self.cpu_per_message, hours,
-                              "{:,.0f}".format(row.min_rate)),
-                          self.rate >= row.min_rate if ran else None))
-        if row.max_cpu_per_1000 is not None:
-            per_1000 = 1000 * self.cpu_per_message
-            found.append(("%s: %.4f s client CPU per 1,000 messages (target <= %g)" % (
-                row.name, per_1000, row.max_cpu_per_1000),
-                per_1000 <= row.max_cpu_per_1000 if ran else None))
-        if row.max_memory_mb is not None:
-            growth = self.memory_growth
-            met = None if not ran or growth is None else growth < row.max_memory_mb * 1e6
-            found.append(("%s: %s messages, peak RSS grew %s (%s) (target < %g MB)" % (
-                row.name, "{:,}".format(self.sent.ok), mb_text(growth), self.memory_how,
-                row.max_memory_mb), met))
-        return found
-
-
-def verdict(seconds: float, client_cpu: float, busiest_server_cpu: float,
-            server_cpu: float, delay_ms: float) -> str:
-    """What held a row back (see the module docstring), from CPU seconds over ``seconds``."""
-    if not seconds:
-        return "-"
-    if busiest_server_cpu / seconds >= 0.85:
-        return "server CPU"
-    if (client_cpu + server_cpu) / seconds >= 1.7:
-        return "both cores"
-    if client_cpu / seconds >= 0.75:
-        return "client CPU"
-    return "latency" if delay_ms else "round trips"
-
-
-def ratio_text(value: Optional[float]) -> str:
-    return "-" if value is None else "%.2f" % value
-
-
-def delay_text(ms: Optional[float]) -> str:
-    return "-" if ms is None else "%.1f ms" % ms
-
-
-def mb_text(size: Optional[int]) -> str:
-    return "n/a" if size is None else "%.1f MB" % (size / 1e6)
-
-
-# Peak resident memory of this process during a row.
-
-
-def read_status_kib(name: str) -> Optional[int]:
-    """A ``/proc/self/status`` field in KiB (VmRSS, VmHWM), or None where there is none."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(name + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-class PeakMemory:
-    """Peak resident memory growth over a stretch of time.
-
-    On Linux, writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current
-    resident size, so the growth is VmHWM at the end minus VmRSS at the start. Elsewhere
-    ru_maxrss before and after: growth past the process's earlier peak only.
-    """
-
-    def __init__(self) -> None:
-        self.how = "ru_maxrss"
-        self.start = self._maxrss()
-        try:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")
-            rss = read_status_kib("VmRSS")
-            if rss is not None and read_status_kib("VmHWM") is not None:
-                self.start, self.how = rss * 1024, "VmHWM - VmRSS"
-        except OSError:
-            pass
-
-    def growth(self) -> int:
-        if self.how == "ru_maxrss":
-            return self._maxrss() - self.start
-        return (read_status_kib("VmHWM") or 0) * 1024 - self.start
-
-    @staticmethod
-    def _maxrss() -> int:
-        if resource is None:
-            return 0
-        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return maxrss if sys.platform == "darwin" else maxrss * 1024  # macOS: bytes
-
-
-def context_switches() -> int:
-    if resource is None:
-        return 0
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_nvcsw + usage.ru_nivcsw
-
-
-def measure_bulk(rows: Sequence[BulkRow], servers: Servers) -> List[BulkResult]:
-    """Run each bulk row once: set up and warm up (untimed), then send its messages."""
-    results = []
-    for row in rows:
-        result = BulkResult(row)
-        results.append(result)
-        progress("bulk: %s (%s messages)" % (row.name, "{:,}".format(row.messages)))
-        group = servers.group(row.server)
-        try:
-            runner = row.make(servers.target(row.server, row.http2), row.concurrency)
-        except Exception as exc:
-            mark_failed(result, "set-up", exc)
-            continue
-        try:
-            server_before = group.stats()
-            memory = PeakMemory()
-            switches_before = context_switches()
-            cpu_before = time.process_time()
-            started = time.perf_counter()
-            result.sent = runner.send(row.messages)
-            result.seconds = time.perf_counter() - started
-            result.client_cpu = time.process_time() - cpu_before
-            result.context_switches = context_switches() - switches_before
-            result.memory_growth, result.memory_how = memory.growth(), memory.how
-            result.server = [after - before
-                             for after, before in zip(group.stats(), server_before)]
-        except Exception as exc:
-            mark_failed(result, "run", exc)
-        finally:
-            runner.close()
-        if result.status == "ok" and result.sent.failed:
-            result.status = "error"
-            result.note = "%d of %d messages failed, first: %s" % (
-                result.sent.failed, row.messages, result.sent.first_error)
-        if result.status == "ok":
-            check_protocol(result)
-    return results
-
-
-def check_protocol(result: BulkResult) -> None:
-    """Fail a row whose messages did not go over the protocol it says, by the server's count
-    of the connections on which the client picked h2."""
-    row, h2 = result.row, result.h2_connections
-    if row.protocol == "HTTP/2" and (not h2 or h2 != result.connections):
-        result.status = "error"
-        result.note = ("meant for HTTP/2, but the client picked h2 on %d of the %d "
-                       "connections the server accepted" % (h2, result.connections))
-    elif row.protocol == "HTTP/1.1" and h2:
-        result.status = "error"
-        result.note = "meant for HTTP/1.1, but %d connections picked h2" % h2
-
-
-def profile_bulk(row: BulkRow, servers: Servers, top: int) -> str:
-    """Run one bulk row under cProfile, one profiler per client thread, and report the top."""
-    profiles: List[cProfile.Profile] = []
-    lock = threading.Lock()
-    original_run = threading.Thread.run
-
-    def profiled_run(thread: threading.Thread) -> None:
-        profile = cProfile.Profile(time.thread_time)
-        with lock:
-            profiles.append(profile)
-        profile.runcall(original_run, thread)
-
-    runner = row.make(servers.target(row.server, row.http2), row.concurrency)
-    main_profile = cProfile.Profile(time.thread_time)
-    threading.Thread.run = profiled_run  # type: ignore[method-assign]
-    try:
+def measure_rtt(port: int, cafile: str) -> float:
+    connection = RawConnection(port, cafile)
+    samples = []
+    for _ in range(RTT_SAMPLES):
         started = time.perf_counter()
-        cpu_before = time.process_time()
-        sent = main_profile.runcall(runner.send, row.messages)
-        seconds = time.perf_counter() - started
-        cpu = time.process_time() - cpu_before
-    finally:
-        threading.Thread.run = original_run  # type: ignore[method-assign]
-        runner.close()
-    out = io.StringIO()
-    stats = pstats.Stats(main_profile, stream=out)
-    for profile in profiles:
-        stats.add(profile)
-    out.write("%s: %d messages in %.2f s under the profiler (%.0f/s), %.0f us CPU/msg; "
-              "%d client threads profiled\n" % (row.name, sent.ok, seconds, sent.ok / seconds,
-                                                1e6 * cpu / max(sent.ok, 1), len(profiles) + 1))
-    stats.sort_stats("tottime").print_stats(top)
-    stats.sort_stats("cumulative").print_stats(top)
-    return out.getvalue()
+        connection.exchange()
+        samples.append(time.perf_counter() - started)
+    connection.sock.close()
+    return statistics.median(samples)
 
 
-# Reporting ###################################################################################
+def cpu_share(pid: int, before: Optional[float], seconds: float) -> Optional[float]:
+    after = cpu_seconds(pid)
+    return None if before is None or after is None else (after - before) / seconds
 
 
-def ranked(results: Sequence[Result]) -> List[Result]:
-    """Rows that ran, fastest first, then the rest in their order."""
-    ran = sorted((r for r in results if r.status == "ok"), key=lambda r: -r.rate)
-    return ran + [r for r in results if r.status != "ok"]
-
-
-def fastest_rate(results: Sequence[Result]) -> float:
-    return max((r.rate for r in results if r.status == "ok"), default=0.0)
-
-
-@dataclass
-class Comparison:
-    """A row's rate relative to another row's, and whether it reaches its target."""
-
-    row: str
-    baseline: str
-    ratio: Optional[float]  # None when either row did not run
-    target: Optional[float]
-
-    @property
-    def met(self) -> Optional[bool]:
-        if self.ratio is None or self.target is None:
-            return None
-        return self.ratio >= self.target
-
-    def describe(self) -> str:
-        text = "%s / %s = " % (self.row, self.baseline)
-        text += "n/a" if self.ratio is None else "%.2f" % self.ratio
-        if self.target is not None:
-            verdict = {True: "met", False: "NOT met", None: "not measured"}[self.met]
-            text += "  (target >= %.2f: %s)" % (self.target, verdict)
-        return text
-
-
-def compare(rates: Dict[str, Optional[float]],
-            pairs: Sequence[Tuple[str, str, Optional[float]]]) -> List[Comparison]:
-    """Comparison of each (row, baseline, target) whose rows are known, ratio None if idle."""
-    found = []
-    for row, baseline, target in pairs:
-        if row not in rates or baseline not in rates:
-            continue
-        rate, base = rates[row], rates[baseline]
-        found.append(Comparison(row, baseline, rate / base if rate and base else None, target))
-    return found
-
-
-def comparisons(results: Sequence[Result]) -> List[Comparison]:
-    rates = {r.row.name: (r.rate if r.status == "ok" else None) for r in results}
-    pairs = [(r.row.name, r.row.baseline, r.row.target) for r in results if r.row.baseline]
-    return compare(rates, pairs + [(a, p, None) for a, p in PEER_PAIRS])
-
-
-def bulk_comparisons(results: Sequence[BulkResult]) -> List[Comparison]:
-    rates = {r.row.name: (r.rate if r.status == "ok" else None) for r in results}
-    return compare(rates, [(a, p, None) for a, p in BULK_PEER_PAIRS])
-
-
-def format_table(results: Sequence[Result], processes: int) -> str:
-    fastest = fastest_rate(results)
-    width = max([len("row")] + [len(r.row.name) for r in results])
-    layout = "%-*s  %14s  %8s  %13s  %6s  %6s  %10s"
-    lines = [layout % (width, "row", "rate (i/s)", "spread", "comparison", "client", "server",
-                       "bound by")]
-    for result in ranked(results):
-        name = result.row.name
-        if result.status != "ok":
-            lines.append("%-*s  %14s  %8s  %s: %s" % (width, name, "-", "-", result.status,
-                                                       result.note))
-            continue
-        if result.rate == fastest:
-            comparison = "fastest"
-        else:
-            comparison = "%.2fx slower" % (fastest / result.rate)
-        seconds = result.seconds or 1.0
-        lines.append(layout % (
-            width, name, "{:,.1f}".format(result.rate), "± %.1f%%" % result.spread, comparison,
-            "%.0f%%" % (100 * result.client_cpu / seconds),
-            "%.0f%%" % (100 * result.server_cpu / seconds), result.bound))
-    lines.append("")
-    lines.extend(comparison.describe() for comparison in comparisons(results))
-    lines.extend(server_notes([(r.row.name, r.bound, r.client_cpu / (r.seconds or 1.0),
-                                r.server_cpu / (r.seconds or 1.0))
-                               for r in results if r.status == "ok"], processes))
-    return "\n".join(lines)
-
-
-BULK_COLUMNS = [  # header, width
-    ("row", 0), ("protocol", 8), ("messages", 9), ("conc.", 5), ("delay", 6), ("seconds", 7),
-    ("msg/s", 8), ("of ideal", 8), ("CPU/msg", 8), ("csw/msg", 7), ("client", 6), ("server", 6),
-    ("conns", 5), ("peak RSS +", 10), ("bound by", 10),
-]
-H2_COLUMNS = [  # header, width
-    ("row", 0), ("messages", 8), ("seconds", 7), ("msg/s", 8), ("ideal", 8), ("of ideal", 8),
-    ("CPU s/1k", 8), ("csw/msg", 7), ("client", 6), ("server", 6), ("srv delay", 9),
-    ("conns", 5), ("h2 conns", 8), ("bound by", 10),
-]
-
-
-def table_line(widths: Sequence[int], cells: Sequence[str]) -> str:
-    """The first cell left-aligned in widths[0], the rest right-aligned, two spaces apart."""
-    first = "%-*s" % (widths[0], cells[0])
-    return "  ".join([first] + ["%*s" % (w, c) for w, c in zip(widths[1:], cells[1:])])
-
-
-def format_bulk_table(results: Sequence[BulkResult], processes: int) -> str:
-    width = max([len("row")] + [len(r.row.name) for r in results])
-    widths = [width] + [w for _, w in BULK_COLUMNS[1:]]
-
-    def line(cells: Sequence[str]) -> str:
-        return table_line(widths, cells)
-
-    lines = [line([header for header, _ in BULK_COLUMNS])]
-    for r in results:
-        row = r.row
-        cells = [row.name, row.protocol, "{:,}".format(row.messages), str(row.concurrency),
-                 "%g ms" % row.delay_ms]
-        if r.status != "ok":
-            lines.append(line(cells) + "  %s: %s" % (r.status, r.note))
-            continue
-        cells += [
-            "%.2f" % r.seconds, "{:,.0f}".format(r.rate), ratio_text(r.of_ideal),
-            "%.0f us" % (1e6 * r.cpu_per_message),
-            "%.1f" % (r.context_switches / r.sent.ok if r.sent.ok else 0.0),
-            "%.0f%%" % (100 * r.client_share),
-            "%.0f%%" % (100 * r.server_share), str(r.connections), mb_text(r.memory_growth),
-            r.bound,
-        ]
-        lines.append(line(cells) + ("  (%s)" % row.note if row.note else ""))
-    lines.append("")
-    for r in results:
-        for description, met in r.targets():
-            verdict = {True: "met", False: "NOT met", None: "not measured"}[met]
-            lines.append("%s: %s" % (description, verdict))
-    for comparison in bulk_comparisons(results):
-        lines.append(comparison.describe())
-    lines.append("")
-    lines.extend(server_notes([(r.row.name, r.bound, r.client_share, r.server_share)
-                               for r in results if r.status == "ok"], processes))
-    return "\n".join(lines)
-
-
-def h2_results(results: Sequence[BulkResult], protocol: str) -> List[BulkResult]:
-    return [r for r in results if r.row.table == 3 and r.row.protocol == protocol]
-
-
-def h2_best_target(results: Sequence[BulkResult]) -> Tuple[str, Optional[bool]]:
-    """The target of the best HTTP/2 row of table 3: messages per second from one process."""
-    ran = [r for r in h2_results(results, "HTTP/2") if r.status == "ok"]
-    goal = "target >= {:,.0f} msg/s from one process".format(H2_MIN_RATE)
-    if not ran:
-        return "HTTP/2 push_many, best of the concurrencies: not run (%s)" % goal, None
-    best = max(ran, key=lambda r: r.rate)
-    return ("HTTP/2 push_many, best of concurrencies %s: {:,.0f} msg/s at concurrency %d and "
-            "%g ms (%s)".format(best.rate) % (
-                ", ".join(str(r.row.concurrency) for r in ran), best.row.concurrency,
-                best.row.delay_ms, goal), best.rate >= H2_MIN_RATE)
-
-
-def h2_comparisons(results: Sequence[BulkResult]) -> List[str]:
-    """HTTP/2 against HTTP/1.1 at each concurrency both ran at."""
-    http1 = {r.row.concurrency: r for r in h2_results(results, "HTTP/1.1") if r.status == "ok"}
-    lines = []
-    for h2 in h2_results(results, "HTTP/2"):
-        other = http1.get(h2.row.concurrency)
-        if h2.status != "ok" or other is None or not other.rate or not h2.cpu_per_message:
-            continue
-        lines.append("HTTP/2 / HTTP/1.1 at concurrency %d: %.2f times the rate, %.2f times "
-                     "the client CPU per message" % (
-                         h2.row.concurrency, h2.rate / other.rate,
-                         h2.cpu_per_message / other.cpu_per_message))
-    return lines
-
-
-def format_h2_table(results: Sequence[BulkResult], processes: int) -> str:
-    width = max([len("row")] + [len(r.row.name) for r in results])
-    widths = [width] + [w for _, w in H2_COLUMNS[1:]]
-    lines = [table_line(widths, [header for header, _ in H2_COLUMNS])]
-    for r in results:
-        row = r.row
-        cells = [row.name, "{:,}".format(row.messages)]
-        if r.status != "ok":
-            lines.append(table_line(widths, cells) + "  %s: %s" % (r.status, r.note))
-            continue
-        cells += [
-            "%.2f" % r.seconds, "{:,.0f}".format(r.rate), "{:,.0f}".format(row.ideal or 0),
-            ratio_text(r.of_ideal), "%.4f" % (1000 * r.cpu_per_message),
-            "%.1f" % (r.context_switches / r.sent.ok if r.sent.ok else 0.0),
-            "%.0f%%" % (100 * r.client_share), "%.0f%%" % (100 * r.server_share),
-            delay_text(mean_h2_delay_ms(r.server)), str(r.connections), str(r.h2_connections),
-            r.bound,
-        ]
-        notes = [text for text in (row.ideal_note, row.note) if text]
-        lines.append(table_line(widths, cells) + ("  (%s)" % "; ".join(notes) if notes else ""))
-    lines.append("")
-    for r in results:
-        for description, met in r.targets():
-            lines.append("%s: %s" % (description, MET_TEXT[met]))
-    description, met = h2_best_target(results)
-    lines.append("%s: %s" % (description, MET_TEXT[met]))
-    lines.extend(h2_comparisons(results))
-    lines.append("")
-    lines.extend(server_notes([(r.row.name, r.bound, r.client_share, r.server_share)
-                               for r in results if r.status == "ok"], processes))
-    ran = [r for r in results if r.status == "ok"]
-    if ran:
-        busiest_client = max(ran, key=lambda r: r.client_share)
-        busiest_server = max(ran, key=lambda r: r.server_total_share)
-        lines.append(
-            "CPU on this machine's %s cores: the client (one Python process: with the GIL, "
-            "about one core at most) used up to %.0f%% of a core (%s), the %d server "
-            "process(es) up to %.0f%% of a core in all (%s)." % (
-                os.cpu_count(), 100 * busiest_client.client_share, busiest_client.row.name,
-                processes, 100 * busiest_server.server_total_share,
-                busiest_server.row.name))
-    return "\n".join(lines)
-
-
-MET_TEXT = {True: "met", False: "NOT met", None: "not measured"}
-
-
-def server_notes(rows: Sequence[Tuple[str, str, float, float]], processes: int) -> List[str]:
-    """Say which rows of (name, bound by, client share, server share) the server limited."""
-    notes = []
-    for name, bound, client_share, server_share in rows:
-        if bound in ("server CPU", "both cores"):
-            notes.append(
-                "NOTE %s: bound by %s: the busiest of %d server process(es) used %.0f%% of a "
-                "core and the client %.0f%% (%s CPUs in all): the fake server limits this row, "
-                "so its rate is a lower bound for the client" % (
-                    name, bound, processes, 100 * server_share, 100 * client_share,
-                    os.cpu_count()))
-    if not notes:
-        notes.append("The fake server limited no row of this table (each server process "
-                     "stayed under 85% of a core, client and server under 1.7 cores).")
-    return notes
-
-
-def json_results(results: Sequence[Result]) -> List[Dict[str, object]]:
-    fastest = fastest_rate(results)
-    compared = {c.row: c for c in comparisons(results) if c.target is not None}
-    out = []
-    for result in results:
-        item: Dict[str, object] = {
-            "table": "sequential",
-            "row": result.row.name,
-            "status": result.status,
-            "rate": result.rate,
-            "spread": result.spread,
-            "slower": fastest / result.rate if result.rate else None,
-            "samples": result.samples,
-            "pushes": result.pushes,
-            "server_delay_ms": result.row.delay_ms,
-            "client_cpu_share": result.client_cpu / result.seconds if result.seconds else None,
-            "server_cpu_share": result.server_cpu / result.seconds if result.seconds else None,
-            "bound_by": result.bound,
-        }
-        if result.note:
-            item["note"] = result.note
-        found = compared.get(result.row.name)
-        if found is not None:
-            item.update(baseline=found.baseline, ratio=found.ratio, target=found.target,
-                        target_met=found.met)
-        out.append(item)
-    return out
-
-
-def json_bulk_results(results: Sequence[BulkResult]) -> List[Dict[str, object]]:
-    out = []
-    for r in results:
-        row = r.row
-        item: Dict[str, object] = {
-            "table": "bulk" if row.table == 2 else "http2", "row": row.name,
-            "status": r.status, "protocol": row.protocol, "messages": row.messages,
-            "concurrency": row.concurrency, "server_delay_ms": row.delay_ms,
-            "server_h2_max_streams": row.h2_max_streams,
-        }
-        if r.status == "ok":
-            item.update(
-                ok=r.sent.ok, seconds=r.seconds, rate=r.rate, ideal=row.ideal,
-                server_h2_answer_delay_ms=mean_h2_delay_ms(r.server),
-                concurrency_over_latency=row.unlimited_ideal,
-                of_ideal=r.of_ideal, client_cpu_seconds=r.client_cpu,
-                client_cpu_per_message_us=1e6 * r.cpu_per_message,
-                client_cpu_seconds_per_1000=1000 * r.cpu_per_message,
-                client_cpu_share=r.client_share, server_cpu_share=r.server_share,
-                client_context_switches=r.context_switches,
-                server_cpu_seconds=[s.cpu_seconds for s in r.server],
-                server_requests=sum(s.requests for s in r.server),
-                server_connections=r.connections, server_h2_connections=r.h2_connections,
-                server_total_cpu_share=r.server_total_share,
-                peak_rss_growth_bytes=r.memory_growth,
-                peak_rss_how=r.memory_how, bound_by=r.bound,
-            )
-        targets = r.targets()
-        if targets:
-            item["targets"] = [{"target": text, "met": met} for text, met in targets]
-        notes = [text for text in (r.note, row.ideal_note, row.note) if text]
-        if notes:
-            item["note"] = "; ".join(notes)
-        out.append(item)
-    for comparison in bulk_comparisons(results):
-        out.append({"table": "bulk", "comparison": comparison.describe(),
-                    "row": comparison.row, "baseline": comparison.baseline,
-                    "ratio": comparison.ratio})
-    if any(r.row.table == 3 for r in results):
-        description, met = h2_best_target(results)
-        out.append({"table": "http2", "target": description, "met": met})
-        out.extend({"table": "http2", "comparison": text} for text in h2_comparisons(results))
-    return out
-
-
-def describe_servers(stats: Dict[ServerKind, List[ServerStats]], seconds: float) -> str:
-    lines = []
-    for kind, group in sorted(stats.items(), key=lambda item: (item[0].h2_max_streams,
-                                                               item[0].delay_ms)):
-        requests = sum(s.requests for s in group)
-        cpu = sum(s.cpu_seconds for s in group)
-        per_request = 1e6 * cpu / requests if requests else 0.0
-        h2 = sum(s.h2_connections for s in group)
-        delay = mean_h2_delay_ms(group)
-        lines.append(
-            "fake server (%d process(es), %s): %s requests on %s connections (%s of them h2) "
-            "in %.1f s, %.1f s CPU (%.0f us/request incl. handshakes)%s" % (
-                len(group), kind.describe(), "{:,}".format(requests),
-                "{:,}".format(sum(s.connections for s in group)), "{:,}".format(h2), seconds,
-                cpu, per_request, "" if delay is None else
-                "; h2 answers sent %.2f ms after their requests were read" % delay)
-        )
-    return "\n".join(lines)
-
-
-# Command line ##################################################################################
-
-
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description="Offline benchmark: messages per second of andpush and other clients "
-        "against a local TLS fake FCM server (see the module docstring for how to read it)."
-    )
-    parser.add_argument("--quick", action="store_true",
-                        help="a run of about 20 s: short samples, fewer bulk messages")
-    parser.add_argument("--json", action="store_true",
-                        help="print the results as JSON (a list of rows) instead of tables")
-    parser.add_argument("--samples", type=int, help="table 1: timed samples per row (default 5)")
-    parser.add_argument("--duration", type=float,
-                        help="table 1: seconds per sample (default 1.0)")
-    parser.add_argument("--warmup", type=float,
-                        help="table 1: warm-up seconds per row (default 0.5)")
-    parser.add_argument("--delay-ms", type=float, default=50.0,
-                        help="table 2: the fake FCM latency of the latency-bound rows "
-                        "(default 50)")
-    parser.add_argument("--memory-messages", type=int,
-                        help="table 2: messages of the bounded-memory row (default 1,000,000; "
-                        "--quick 20,000)")
-    parser.add_argument("--server-processes", type=int, default=1,
-                        help="fake server processes per answer delay and protocol, sharing a "
-                        "port (default 1)")
-    parser.add_argument("--h2-max-streams", type=int, default=H2_GFE_MAX_STREAMS,
-                        help="the HTTP/2 fake server's SETTINGS_MAX_CONCURRENT_STREAMS "
-                        "(default %d, what Google's front end says)" % H2_GFE_MAX_STREAMS)
-    parser.add_argument("--row", action="append", metavar="TEXT",
-                        help="run only rows whose name contains TEXT (repeatable)")
-    parser.add_argument("--list", action="store_true", help="list the rows and exit")
-    parser.add_argument("--profile", metavar="TEXT",
-                        help="profile the client side of the first bulk row whose name "
-                        "contains TEXT, instead of the tables")
-    # The fake server's own process: this script started again by FakeServer.
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--cert", help=argparse.SUPPRESS)
-    parser.add_argument("--key", help=argparse.SUPPRESS)
-    parser.add_argument("--server-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.add_argument("--server-h2-streams", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    quick = args.quick
-    if args.samples is None:
-        args.samples = 3 if quick else 5
-    if args.duration is None:
-        args.duration = 0.3 if quick else 1.0
-    if args.warmup is None:
-        args.warmup = 0.2 if quick else 0.5
-    if args.samples < 1 or args.duration <= 0 or args.warmup < 0:
-        parser.error("need --samples >= 1, --duration > 0 and --warmup >= 0")
-    if args.delay_ms <= 0 or args.server_processes < 1 or args.h2_max_streams < 1:
-        parser.error("need --delay-ms > 0, --server-processes >= 1 and --h2-max-streams >= 1")
-    return args
-
-
-def peer_versions() -> str:
-    """Which peers this run could use, with their versions."""
-    found = []
-    for name, module in PEER_MODULES.items():
-        if importlib.util.find_spec(module) is None:
-            found.append("%s not installed" % name)
-            continue
-        try:
-            from importlib import metadata
-            found.append("%s %s" % (name, metadata.version(name)))
-        except Exception:  # no metadata: still say it is there
-            found.append("%s (version unknown)" % name)
-    return ", ".join(found)
-
-
-def load_average() -> str:
-    """The machine's 1-minute load average, or "?" where there is none."""
+def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) -> Result:
+    """Run a row in a child process and judge it against its targets."""
+    result = Result(row)
+    if missing_package(row):
+        result.note = "not installed (pip install %s)" % missing_package(row)
+        return result
+    if row.kind == "import":
+        return import_row(row, result)
+    with open(setting.log, "rb") as f:
+        offset = f.seek(0, os.SEEK_END)
+    before = cpu_seconds(setting.server_pid), cpu_seconds(setting.relay_pid)
+    started = time.perf_counter()
+    command = [sys.executable, os.path.abspath(__file__), "--child", row.name, "--port", str(
+        setting.relay_port if row.relayed else setting.port), "--cafile",
+        setting.certs["ca.pem"], "--rsa-key", setting.certs["rsa.pem"]] + ["--quick"] * quick
+    env = dict(os.environ, REQUESTS_CA_BUNDLE=setting.certs["ca.pem"],
+               SSL_CERT_FILE=setting.certs["ca.pem"])
     try:
-        return "%.1f" % os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return "?"
+        child = subprocess.run(command, capture_output=True, text=True, env=env, cwd=HERE,
+                               timeout=CHILD_DEADLINE)
+    except subprocess.TimeoutExpired:
+        result.note = "failed: killed after %d s" % CHILD_DEADLINE
+        return result
+    seconds = time.perf_counter() - started
+    shares = cpu_share(setting.server_pid, before[0], seconds), (
+        cpu_share(setting.relay_pid, before[1], seconds) if row.relayed else None)
+    if child.returncode:
+        result.note = "failed: " + (child.stderr.strip().splitlines() or ["?"])[-1][:200]
+        return result
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    with open(setting.log, "rb") as f:  # the row's requests, not its floor's
+        f.seek(offset)
+        lines = [line.split() for line in f.read().decode().splitlines()
+                 if "/projects/%s/" % FLOOR_PROJECT not in line]
+    protocols = collections.Counter(line[1] for line in lines)
+    conns = len({line[0] for line in lines})
+    rate = report["row_ok"] / report["row_seconds"]
+    result.cpu = 1000 * report["row_cpu"] / max(report["row_ok"] + report["row_failed"], 1)
+    base = (row.concurrency / setting.rtt if row.base == "ideal" else
+            report["floor_ok"] / report["floor_seconds"] if row.base == "floor" else None)
+    result.cells = (setting.server, "+".join(
+        {"HTTP/2.0": "h2"}.get(p, p.lower()) + ("" if len(protocols) == 1 else " %d" % n)
+        for p, n in sorted(protocols.items())) or "-", str(conns), "{:,.0f}".format(rate),
+        "%.2f %s" % (rate / base, row.base) if base else "-", "%.3f" % result.cpu,
+        "/".join("-" if s is None else "%d%%" % (100 * s) for s in shares))
+    checks = [("all %s" % ("h2" if row.http2 else "http/1.1"), False)] * (
+        set(protocols) != {"HTTP/2.0" if row.http2 else "HTTP/1.1"})
+    if base and row.min_ratio is not None:
+        checks.append((">=%g %s" % (row.min_ratio, row.base), rate / base >= row.min_ratio))
+    if row.max_conns is not None:
+        checks.append(("conns<=%d" % row.max_conns, conns <= row.max_conns))
+    if row.min_rate is not None:
+        checks.append((">={:,.0f}/s".format(row.min_rate), rate >= row.min_rate))
+    if row.max_cpu is not None:
+        checks.append(("CPU<=%g" % row.max_cpu, result.cpu <= row.max_cpu))
+    other = done.get(row.cpu_at_most_row)
+    if other is not None and other.cpu is not None:
+        checks.append(("CPU<=%s's" % other.row.name, result.cpu <= other.cpu))
+    if base and row.min_relay_headroom is not None and shares[1]:  # the relay's capacity
+        checks.append(("relay cap>=%gx ideal" % row.min_relay_headroom,
+                       rate / shares[1] / base >= row.min_relay_headroom))
+    for side in ("row", "floor"):
+        if report.get(side + "_failed"):
+            checks.append(("no failures", False))
+            result.note = "%d failed, first: %s" % (report[side + "_failed"],
+                                                     report[side + "_error"])
+    result.checks = tuple(checks)
+    return result
 
 
-def selected(names: Sequence[str], texts: Optional[Sequence[str]]) -> List[bool]:
-    return [not texts or any(text in name for text in texts) for name in names]
+IMPORT_SNIPPET = ("import time; started = time.perf_counter(); import %s; "
+                  "print(time.perf_counter() - started)")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def import_row(row: Row, result: Result) -> Result:
+    """The median time to import a module in a new interpreter, bytecode cached."""
+    command = [sys.executable, "-c", IMPORT_SNIPPET % row.module]
+    runs = [float(subprocess.run(command, capture_output=True, text=True, check=True, cwd=HERE)
+                  .stdout) for _ in range(IMPORT_SAMPLES + 1)][1:]  # the first caches bytecode
+    milliseconds = 1000 * statistics.median(runs)
+    result.cells = ("-",) * 3 + ("%.1f ms" % milliseconds,) + ("-",) * 3
+    if row.max_ms is not None:
+        result.checks = (("<=%g ms" % row.max_ms, milliseconds <= row.max_ms),)
+    return result
+
+
+COLUMNS = ("row", "server", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/relay",
+           "target", "met")
+
+
+def table(results: List[Result]) -> str:
+    rows = [COLUMNS] + [(r.row.name + " (50 ms)" * r.row.relayed,) + r.cells + (
+        " ".join(text for text, _ in r.checks) or "-",
+        ("met" if all(ok for _, ok in r.checks) else "MISSED") if r.checks else "-",
+    ) for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) if 3 <= i <= 7 else cell.ljust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+             for row in rows]
+    notes = ["%s: %s%s" % (r.row.name, r.row.title, " -- " + r.note if r.note else "")
+             for r in results]
+    return "\n".join(lines + [""] + notes)
+
+
+def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
+    """nginx (or the own server), the relay in front of it, and the round trip through it."""
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+    me = [sys.executable, os.path.abspath(__file__)]
+    if nginx and not own:
+        port, pid, log = start_nginx(nginx, folder, certs)
+        server = "nginx"
+        print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
+              % (nginx, port), flush=True)
+    else:
+        print("NO NGINX%s: bench.py's own server; its figures do not count (apt-get install "
+              "nginx-light)" % (" (--own-server)" if nginx else " installed"), flush=True)
+        log, server = os.path.join(folder, "own.log"), "own"
+        open(log, "w").close()
+        process, port = start(me + ["--serve", certs["cert.pem"], certs["key.pem"], log],
+                              "the own server")
+        pid = process.pid
+    relay_process, relay_port = start(me + ["--relay", str(port)], "the relay")
+    setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs)
+    setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
+    print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
+          "ideals" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES), flush=True)
+    return setting
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="andpush benchmark against nginx")
+    parser.add_argument("--quick", action="store_true", help="smaller counts: a smoke run")
+    parser.add_argument("--rows", help="comma-separated row names (or parts of names)")
+    parser.add_argument("--list", action="store_true", help="list the rows and exit")
+    parser.add_argument("--own-server", action="store_true",
+                        help="use bench.py's own server even where nginx is installed")
+    for hidden in ("--child", "--cafile", "--rsa-key"):  # what bench.py passes its helpers
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--relay", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.serve:
-        return serve(args.cert, args.key, args.server_delay_ms, args.port,
-                     args.server_h2_streams)
-    all_bulk = bulk_rows(args.delay_ms, args.quick, args.memory_messages, args.h2_max_streams)
-    rows = [r for r, keep in zip(ROWS, selected([r.name for r in ROWS], args.row)) if keep]
-    bulk = [r for r, keep in zip(all_bulk, selected([r.name for r in all_bulk], args.row))
-            if keep]
-    if args.list or not (rows or bulk):
-        for name in [r.name for r in ROWS] + [r.name for r in all_bulk]:
-            print(name)
+        serve(*args.serve)
+    by_name = {row.name: row for row in ROWS}
+    if args.child:
+        print(json.dumps(run_child(by_name[args.child], args.port, args.cafile, args.rsa_key,
+                                   args.quick)))
+        return 0
+    if args.relay:
+        relay(args.relay, ONE_WAY_DELAY)
+    wanted = args.rows.split(",") if args.rows else []
+    rows = [row for row in ROWS if not wanted or any(w and w in row.name for w in wanted)]
+    if args.list or not rows:
+        print("\n".join("%-15s %s" % (row.name, row.title) for row in ROWS))
         return 0 if args.list else 2
-    load_before = load_average()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the helpers stop
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
-        cert_file = os.path.join(folder, "server.pem")
-        key_file = os.path.join(folder, "server.key")
-        ca_file = os.path.join(folder, "ca.pem")
-        for path, text in ((cert_file, TEST_SERVER_CERT_PEM), (key_file, TEST_SERVER_KEY_PEM),
-                           (ca_file, TEST_CA_PEM)):
-            with open(path, "w") as f:
-                f.write(text)
-        trust_test_ca(ca_file)
-        servers = Servers(cert_file, key_file, args.server_processes)
-        try:
-            if args.profile:
-                chosen = [r for r in all_bulk if args.profile in r.name]
-                if not chosen:
-                    progress("no bulk row matches %r (see --list)" % args.profile)
-                    return 2
-                print(profile_bulk(chosen[0], servers, top=25))
-                return 0
-            results = measure(rows, servers, args.warmup, args.samples, args.duration)
-            bulk_results = measure_bulk(bulk, servers)
-        except KeyboardInterrupt:
-            progress("interrupted")
-            return 130
-        finally:
-            server_stats = servers.stop_all()
-    elapsed = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(json_results(results) + json_bulk_results(bulk_results), indent=2))
-    else:
-        print("andpush benchmark: %d samples x %g s per row of table 1, rows interleaved, "
-              "after %g s warm-up%s" % (args.samples, args.duration, args.warmup,
-                                        "; --quick" if args.quick else ""))
-        print("andpush %s on %s %s, %s, %s CPUs; load average %s at the start, %s at the "
-              "end; took %.0f s" % (
-                  getattr(andpush, "__version__", "?"), platform.python_implementation(),
-                  platform.python_version(), ssl.OPENSSL_VERSION, os.cpu_count(),
-                  load_before, load_average(), elapsed))
-        print("peers: %s" % peer_versions())
-        if rows:
-            print()
-            print("Table 1: sequential pushes, zero answer delay, HTTP/1.1 (the server offers "
-                  "no h2)")
-            print(format_table(results, args.server_processes))
-        table2 = [r for r in bulk_results if r.row.table == 2]
-        table3 = [r for r in bulk_results if r.row.table == 3]
-        if table2:
-            print()
-            print("Table 2: bulk sends, v1 API; ideal = concurrency / answer delay")
-            print(format_bulk_table(table2, args.server_processes))
-        if table3:
-            print()
-            print("Table 3: push_many over HTTP/2 and over HTTP/1.1 (http2=False), v1 API, "
-                  "%g ms answer delay; the server offers h2 with MAX_CONCURRENT_STREAMS %d; "
-                  "ideal = concurrency / latency (capped when the messages are no multiple "
-                  "of the concurrency)" % (args.delay_ms, args.h2_max_streams))
-            print(format_h2_table(table3, args.server_processes))
-        print()
-        print(describe_servers(server_stats, elapsed))
-    everything = list(results) + list(bulk_results)
-    return 1 if any(r.status == "error" for r in everything) else 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
+            peers = any(row.kind in SETUPS and row.module and not missing_package(row)
+                        for row in rows)
+            setting = start_servers(folder, make_certificates(folder, peers), args.own_server)
+            done: Dict[str, Result] = {}
+            for row in rows:
+                print("running %s ..." % row.name, file=sys.stderr, flush=True)
+                done[row.name] = run_row(row, setting, args.quick, done)
+            stop_all()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop_all()
+    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s" % (
+        sys.version.split()[0], ssl.OPENSSL_VERSION, os.cpu_count() or 0,
+        os.getloadavg()[0], ", --quick" if args.quick else "", time.perf_counter() - started))
+    print(table(list(done.values())))
+    return 1 if any(r.note.startswith("failed") for r in done.values()) else 0
 
 
 if __name__ == "__main__":
