@@ -12,7 +12,7 @@ the OAuth2 tokens of the HTTP v1 API are signed in pure Python::
             "token": device_token,
             "notification": {"title": "Update", "body": "Ready"},
         })
-        print(response.json["name"])
+        print(response.json()["name"])
         for outcome in client.push_many(messages, concurrency=100):
             ...                           # a Response, or the error for that message
 
@@ -201,7 +201,7 @@ def _http_error(response: "Response") -> HTTPError:
 def _error_envelope(response: "Response") -> Dict[str, Any]:
     """The v1 ``{"error": {...}}`` object of a response, or {} when there is none."""
     try:
-        error = response.json.get("error")
+        error = response.json().get("error")
     except (ValueError, AttributeError):
         return {}
     return error if isinstance(error, dict) else {}
@@ -286,6 +286,16 @@ class Response:
         self._tokens: Tuple[str, ...] = ()
 
     @property
+    def ok(self) -> bool:
+        """True for a 2xx status: always for a Response push returns, never for one an
+        HTTPError carries (andpush raises on 3xx too, so unlike requests it counts only 2xx)."""
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        """The body decoded as UTF-8 (what JSON must be), undecodable bytes replaced."""
+        return self.body.decode("utf-8", "replace")
+
     def json(self) -> Any:
         """The body parsed as JSON, once; ValueError when the body is not JSON."""
         if self._json is _UNPARSED:
@@ -313,7 +323,8 @@ class Response:
 
     def _results(self) -> List[Tuple[str, Dict[str, str]]]:
         """Pairs of (request token, its legacy result), in request order."""
-        results = self.json.get("results") if isinstance(self.json, dict) else None
+        answer = self.json()
+        results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list):
             return []
         return [(t, r) for t, r in zip(self._tokens, results) if isinstance(r, dict)]
@@ -740,7 +751,7 @@ def _auth_error(error: Error) -> Error:
     if not isinstance(error, HTTPError):
         return error
     try:
-        answer = error.response.json
+        answer = error.response.json()
         reason = "%s: %s" % (answer["error"], answer.get("error_description", ""))
     except (ValueError, KeyError, TypeError):
         reason = "HTTP %d %s" % (error.status_code, error.response.reason)
@@ -752,7 +763,7 @@ def _auth_error(error: Error) -> Error:
 def _token_from(response: Response) -> Tuple[str, Optional[float]]:
     """The access token and lifetime of a token endpoint's 200 answer."""
     try:
-        answer = response.json
+        answer = response.json()
         token, lifetime = answer["access_token"], answer.get("expires_in")
     except (ValueError, KeyError, TypeError):
         raise AuthError("the token endpoint answered without an access_token") from None
@@ -3563,7 +3574,7 @@ def _count_tokens(path: str) -> Optional[int]:
 def _answer(response: Response) -> Tuple[Optional[str], Optional[str]]:
     """A 2xx answer's message name (v1) or id (legacy), and the legacy error if it has one."""
     try:
-        answer, errors = response.json, response.errors
+        answer, errors = response.json(), response.errors
     except ValueError:  # not JSON
         return None, None
     refused = next(iter(errors.values()), None)
@@ -3614,7 +3625,7 @@ def _cmd_send(args: argparse.Namespace) -> int:
         except (TypeError, ValueError) as exc:
             raise _Failure("bad message: %s" % exc) from None
     try:
-        print(json.dumps(response.json, indent=2))
+        print(json.dumps(response.json(), indent=2))
     except ValueError:  # not JSON
         print(response.body.decode("utf-8", "replace"))
     refused = _answer(response)[1]

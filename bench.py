@@ -992,8 +992,8 @@ class AndpushRunner(Runner):
                                   ssl_context=target.ssl_context)
         response = self.client.push(PAYLOAD)
         check_status(response.status_code, "andpush")
-        if response.json.get("success") != 1:
-            raise RuntimeError("andpush: unexpected response JSON %r" % (response.json,))
+        if response.json().get("success") != 1:
+            raise RuntimeError("andpush: unexpected response JSON %r" % (response.json(),))
 
     def step(self) -> int:
         if self.client.push(PAYLOAD).status_code != 200:
@@ -1010,8 +1010,8 @@ class AndpushV1Runner(Runner):
     def __init__(self, target: Target) -> None:
         self.client = andpush_v1(target)
         response = self.client.push(V1_MESSAGE)
-        if not response.json.get("name"):
-            raise RuntimeError("andpush v1: unexpected response JSON %r" % (response.json,))
+        if not response.json().get("name"):
+            raise RuntimeError("andpush v1: unexpected response JSON %r" % (response.json(),))
 
     def step(self) -> int:
         self.client.push(V1_MESSAGE)  # raises unless 2xx

@@ -1217,12 +1217,25 @@ class HeadersAndResponseTest(unittest.TestCase):
 
     def test_json_is_parsed_once_and_non_json_says_so(self) -> None:
         ok = response(200, {"a": 1})
-        self.assertIs(ok.json, ok.json)
+        self.assertIs(ok.json(), ok.json())
         with self.assertRaisesRegex(ValueError, "not JSON"):
-            response(200, b"<html>").json
+            response(200, b"<html>").json()
 
     def test_repr_shows_no_body(self) -> None:
         self.assertEqual(repr(response(200, {"token": TOKEN})), "<Response [200]>")
+
+    def test_json_is_a_method_as_in_requests(self) -> None:
+        self.assertEqual(response(200, {"name": "n"}).json(), {"name": "n"})
+
+    def test_text_is_the_body_decoded_as_utf8_with_bad_bytes_replaced(self) -> None:
+        self.assertEqual(response(200, '{"title": "Grüße"}'.encode()).text, '{"title": "Grüße"}')
+        self.assertEqual(response(502, b"bad \xff gateway").text, "bad \ufffd gateway")
+
+    def test_ok_is_true_only_for_2xx(self) -> None:
+        self.assertEqual(
+            [response(status, {}).ok for status in (200, 204, 299, 302, 400, 503)],
+            [True, True, True, False, False, False],
+        )
 
 
 class BadInputTest(ServerTestCase):
@@ -1290,8 +1303,8 @@ class KeepAliveTest(ServerTestCase):
         response = self.client().push(LEGACY_MESSAGE)
         self.assertEqual(response.status_code, 200)
         self.assertEqual(response.headers["Content-Type"], JSON_CONTENT_TYPE)
-        self.assertEqual(json.loads(response.body), response.json)
-        self.assertEqual(response.json["success"], 1)
+        self.assertEqual(json.loads(response.body), response.json())
+        self.assertEqual(response.json()["success"], 1)
         sent = self.server.requests[0]
         self.assertEqual(sent.headers["authorization"], "key=" + SERVER_KEY)
         self.assertEqual(sent.json, LEGACY_MESSAGE)
@@ -1478,7 +1491,7 @@ class MalformedAnswerTest(ServerTestCase):
     def test_chunked_body_is_read_and_the_connection_kept(self) -> None:
         self.server.inject(CHUNKED)
         client = self.client()
-        self.assertEqual(client.push(LEGACY_MESSAGE).json["success"], 1)
+        self.assertEqual(client.push(LEGACY_MESSAGE).json()["success"], 1)
         client.push(LEGACY_MESSAGE)
         self.assertEqual(self.server.handshakes, 1)
 
@@ -1487,7 +1500,7 @@ class MalformedAnswerTest(ServerTestCase):
         answer = self.client().push(LEGACY_MESSAGE)
         self.assertEqual(answer.body, b"<html>oops</html>")
         with self.assertRaisesRegex(ValueError, "not JSON"):
-            answer.json
+            answer.json()
 
 
 class ErrorAnswerTest(ServerTestCase):
@@ -1523,7 +1536,7 @@ class LegacyResultsTest(ServerTestCase):
 
     def test_validate_only_is_a_dry_run(self) -> None:
         answer = self.client().push(LEGACY_MESSAGE, validate_only=True)
-        self.assertEqual(answer.json["multicast_id"], -1)
+        self.assertEqual(answer.json()["multicast_id"], -1)
         self.assertIs(self.server.requests[0].json["dry_run"], True)
 
 
@@ -2526,7 +2539,7 @@ class V1TestCase(ServerTestCase):
 class V1SendTest(V1TestCase):
     def test_push_posts_the_message_with_a_bearer_token(self) -> None:
         answer = self.v1_client().push(V1_MESSAGE)
-        self.assertEqual(answer.json["name"], "projects/%s/messages/0:1" % TEST_PROJECT)
+        self.assertEqual(answer.json()["name"], "projects/%s/messages/0:1" % TEST_PROJECT)
         token_request, send = self.server.requests
         self.assertEqual(token_request.path, "/token")
         self.assertEqual(send.path, "/v1/projects/%s/messages:send" % TEST_PROJECT)
@@ -2542,7 +2555,7 @@ class V1SendTest(V1TestCase):
 
     def test_validate_only(self) -> None:
         answer = self.v1_client().push(V1_MESSAGE, validate_only=True)
-        self.assertTrue(answer.json["name"].endswith("fake_message_id"))
+        self.assertTrue(answer.json()["name"].endswith("fake_message_id"))
         self.assertIs(self.server.requests[-1].json["validate_only"], True)
 
     def test_credentials_as_a_path_a_dict_or_a_json_string(self) -> None:
@@ -4532,8 +4545,8 @@ class HTTP2Test(ServerTestCase):
     def test_push_many_multiplexes_streams_over_one_connection(self) -> None:
         outcomes = self.push_many(200, concurrency=50)
         self.assert_all_sent_once(outcomes, 200)
-        self.assertEqual(outcomes[7].json["name"], "projects/%s/messages/0:%d" % (
-            TEST_PROJECT, int(outcomes[7].json["name"].rsplit(":", 1)[1])))
+        self.assertEqual(outcomes[7].json()["name"], "projects/%s/messages/0:%d" % (
+            TEST_PROJECT, int(outcomes[7].json()["name"].rsplit(":", 1)[1])))
         self.assertEqual(self.server.protocols, ["h2"])
         self.assertGreater(self.server.max_open_streams_seen, 1)
         self.assertEqual(self.server.settings_received[0][1], 0)  # HEADER_TABLE_SIZE 0
@@ -4542,7 +4555,7 @@ class HTTP2Test(ServerTestCase):
     def test_push_works_over_http2_one_stream_at_a_time(self) -> None:
         client = self.h2_client()
         for _ in range(3):
-            self.assertEqual(client.push(V1_MESSAGE).json["name"].split("/")[1], TEST_PROJECT)
+            self.assertEqual(client.push(V1_MESSAGE).json()["name"].split("/")[1], TEST_PROJECT)
         self.assertEqual(self.server.connections, 1)
 
     def test_http2_false_keeps_to_http11(self) -> None:
