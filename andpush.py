@@ -156,6 +156,21 @@ class ThirdPartyAuthError(ClientError):
     """THIRD_PARTY_AUTH_ERROR (401): the APNs certificate or web push key is invalid."""
 
 
+class UnauthenticatedError(ClientError, AuthError):
+    """UNAUTHENTICATED (401): FCM refused the sender's own credentials; also an AuthError.
+
+    A v1 access token is refreshed and the push sent once more before this is raised.
+    """
+
+
+class PermissionDeniedError(ClientError, AuthError):
+    """PERMISSION_DENIED (403): the credentials may not send for this project; also an AuthError.
+
+    Grant the service account a role with cloudmessaging.messages.create and enable the
+    Firebase Cloud Messaging API for the project.
+    """
+
+
 class InternalError(ServerError):
     """INTERNAL (500): an unknown server error; retry with backoff."""
 
@@ -171,6 +186,8 @@ _ERRORS_BY_CODE: Dict[str, Type[HTTPError]] = {
     "QUOTA_EXCEEDED": QuotaExceededError,
     "THIRD_PARTY_AUTH_ERROR": ThirdPartyAuthError,
     "APNS_AUTH_ERROR": ThirdPartyAuthError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "PERMISSION_DENIED": PermissionDeniedError,
     "INTERNAL": InternalError,
     "UNAVAILABLE": UnavailableError,
 }
@@ -2327,6 +2344,7 @@ _AnyConnection = Union[_Connection, _H2Connection]
 # The two FCM APIs: where a message goes, how it is wrapped, and what is wrong with it.
 
 _TARGETS = ("token", "topic", "condition", "fid")
+_MULTICAST_FIELDS = ("tokens", "registration_ids")  # other clients' ways to name many targets
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9\-_.~%]{1,900}\Z")
 _RESERVED_DATA_KEYS = ("from", "message_type")
 _RESERVED_DATA_PREFIXES = ("google", "gcm")
@@ -2341,6 +2359,12 @@ def _check_dict(message: object) -> Dict[str, Any]:
 def _check_message(message: object) -> Dict[str, Any]:
     """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix."""
     message = _check_dict(message)
+    for field in _MULTICAST_FIELDS:
+        if field in message:
+            raise ValueError(
+                "a v1 message has one target, not %r: to send it to many devices, leave %r "
+                "out and call client.push_multicast(message, tokens)" % (field, field)
+            )
     targets = [name for name in _TARGETS if name in message]
     if len(targets) != 1:
         raise ValueError(
@@ -3412,7 +3436,7 @@ def _exit_status(error: Error) -> int:
 
 def _explain(error: BaseException) -> str:
     """One line: what went wrong, what to do where that is clear, and the error itself."""
-    if isinstance(error, AuthError):
+    if isinstance(error, AuthError) and not isinstance(error, HTTPError):
         return "credentials problem: %s" % error
     if isinstance(error, NetworkError):
         return "network problem: %s" % error

@@ -1121,6 +1121,22 @@ class ErrorClassificationTest(unittest.TestCase):
                 base = andpush.ClientError if status < 500 else andpush.ServerError
                 self.assertIsInstance(error, base)
 
+    def test_the_senders_own_credentials_refused_are_auth_errors_too(self) -> None:
+        table = [(401, andpush.UnauthenticatedError), (403, andpush.PermissionDeniedError)]
+        for status, cls in table:
+            with self.subTest(cls.__name__):
+                error = andpush._http_error(response(status, fcm_error(status, None).json))
+                self.assertIs(type(error), cls)
+                self.assertIsInstance(error, andpush.ClientError)
+                self.assertIsInstance(error, andpush.AuthError)
+
+    def test_device_and_third_party_credential_errors_are_not_auth_errors(self) -> None:
+        # Their envelopes say UNAUTHENTICATED/PERMISSION_DENIED too: the errorCode wins.
+        for status, code in ((401, "THIRD_PARTY_AUTH_ERROR"), (403, "SENDER_ID_MISMATCH")):
+            with self.subTest(code):
+                error = andpush._http_error(response(status, fcm_error(status, code).json))
+                self.assertNotIsInstance(error, andpush.AuthError)
+
     def test_without_an_error_code_the_status_decides(self) -> None:
         table = [
             (400, andpush.InvalidArgumentError), (429, andpush.QuotaExceededError),
@@ -2618,6 +2634,14 @@ class MessageValidationTest(unittest.TestCase):
                 with self.assertRaisesRegex(error, pattern):
                     api.prepare(message, False)
 
+    def test_many_tokens_in_one_message_point_to_push_multicast(self) -> None:
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        for field in ("tokens", "registration_ids"):
+            with self.subTest(field):
+                with self.assertRaisesRegex(ValueError, r"leave '%s' out and call "
+                                            r"client\.push_multicast\(message, tokens\)" % field):
+                    api.prepare({field: ["a", "b"], "notification": {"title": "Hi"}}, False)
+
     def test_good_targets(self) -> None:
         api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
         for message in ({"topic": "news-1_a.b~c%d"}, {"condition": "'a' in topics"},
@@ -2662,9 +2686,21 @@ class V1ErrorTest(V1TestCase):
         client = self.v1_client()
         client.push(V1_MESSAGE)
         self.server.by_token[TOKEN] = [fcm_error(401, None), fcm_error(401, None)]
-        with self.assertRaises(andpush.ClientError) as caught:
+        with self.assertRaises(andpush.AuthError) as caught:
             client.push(V1_MESSAGE)
+        self.assertIsInstance(caught.exception, andpush.UnauthenticatedError)
         self.assertEqual(caught.exception.status_code, 401)
+
+    def test_permission_denied_is_caught_as_an_auth_error_and_not_retried(self) -> None:
+        client = self.v1_client()
+        client.push(V1_MESSAGE)
+        self.server.inject(fcm_error(403, None, "Permission denied"))
+        before = self.server.processed
+        with self.assertRaises(andpush.AuthError) as caught:
+            client.push(V1_MESSAGE)
+        self.assertIsInstance(caught.exception, andpush.PermissionDeniedError)
+        self.assertEqual(self.server.processed, before + 1)
+        self.assertEqual(len(self.server.issued), 1)
 
 
 class TokenTest(V1TestCase):
