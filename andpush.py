@@ -1047,11 +1047,19 @@ class _Origin:
         return "%s://%s" % (self.scheme, self.host_header)
 
 
-def _parse_proxy(url: str) -> Tuple[str, int, Dict[str, str]]:
-    """Host, port and CONNECT headers of an ``http://[user:pass@]host:port`` proxy URL."""
+_PROXY_VARIABLES = ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")  # curl's order
+
+
+def _parse_proxy(url: str, source: str = "proxy") -> Tuple[str, int, Dict[str, str]]:
+    """Host, port and CONNECT headers of an ``http://[user:pass@]host:port`` proxy URL.
+
+    ``source`` names where the URL came from (the argument, or an environment variable),
+    so that the ValueError for a proxy andpush cannot use says what to change. The URL
+    itself is never quoted: it may hold a password.
+    """
     parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
     if parts.scheme != "http" or not parts.hostname:
-        raise ValueError("proxy must look like http://[user:pass@]host:port")
+        raise _unusable_proxy(parts, source)
     headers = {}
     if parts.username is not None:
         credentials = "%s:%s" % (
@@ -1061,16 +1069,37 @@ def _parse_proxy(url: str) -> Tuple[str, int, Dict[str, str]]:
     return parts.hostname, parts.port or 8080, headers
 
 
+def _unusable_proxy(parts: urllib.parse.SplitResult, source: str) -> ValueError:
+    """The ValueError for a proxy URL that is not ``http://host[:port]``, saying what to do."""
+    if parts.scheme != "http":
+        problem = "is a %s:// proxy; andpush tunnels only through http:// ones" % parts.scheme
+    else:
+        problem = "has no host"
+    if source == "proxy":
+        return ValueError("proxy must look like http://[user:pass@]host:port: it " + problem)
+    return ValueError(
+        "%s %s: set it to http://[user:pass@]host:port, or have andpush connect directly "
+        "with NO_PROXY or andpush.new(..., proxy=\"\")" % (source, problem)
+    )
+
+
 def _proxy_from_environment(host: str) -> Optional[str]:
-    """The HTTPS proxy that HTTPS_PROXY / NO_PROXY select for ``host``, as curl reads them."""
-    proxy = os.environ.get("https_proxy") or os.environ.get("HTTPS_PROXY")
-    if not proxy:
+    """The proxy the environment selects for HTTPS to ``host``, as curl and requests read it.
+
+    HTTPS_PROXY, else ALL_PROXY (the lower-case spelling first), unless NO_PROXY names the
+    host or one of its parent domains (``*`` for all). A proxy andpush cannot use is a
+    ValueError naming its variable.
+    """
+    source = next((name for name in _PROXY_VARIABLES if os.environ.get(name)), None)
+    if source is None:
         return None
     no_proxy = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
     for entry in (e.strip().lower() for e in no_proxy.split(",")):
         entry = entry.split(":")[0].lstrip(".") if not entry.startswith("[") else entry
         if entry == "*" or entry and (host == entry or host.endswith("." + entry)):
             return None
+    proxy = os.environ[source]
+    _parse_proxy(proxy, source)
     return proxy
 
 

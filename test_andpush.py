@@ -1604,6 +1604,68 @@ class ProxyTest(ServerTestCase):
         self.assertEqual(self.server.processed, 0)
 
 
+class ProxyFromEnvironmentTest(unittest.TestCase):
+    """Which proxy the environment selects, read as curl and requests read it (no sockets)."""
+
+    HOST = "fcm.googleapis.com"
+    CLEAR = {"HTTPS_PROXY": "", "ALL_PROXY": "", "NO_PROXY": ""}
+
+    def selected(self, **variables: str) -> Optional[str]:
+        with environment(**dict(self.CLEAR, **variables)):
+            return andpush._proxy_from_environment(self.HOST)
+
+    def test_https_proxy_then_all_proxy(self) -> None:
+        self.assertIsNone(self.selected())
+        self.assertEqual(self.selected(ALL_PROXY="http://all:3128"), "http://all:3128")
+        self.assertEqual(self.selected(HTTPS_PROXY="http://https:3128", ALL_PROXY="http://all:1"),
+                         "http://https:3128")
+
+    def test_the_lower_case_spelling_wins(self) -> None:
+        with environment(**self.CLEAR):
+            os.environ.update(all_proxy="http://lower:1", ALL_PROXY="http://upper:2")
+            self.assertEqual(andpush._proxy_from_environment(self.HOST), "http://lower:1")
+
+    def test_no_proxy_names_the_host_a_parent_domain_or_everything(self) -> None:
+        for no_proxy in ("fcm.googleapis.com", ".googleapis.com", "example.com, googleapis.com",
+                         "*"):
+            with self.subTest(no_proxy):
+                self.assertIsNone(self.selected(ALL_PROXY="http://p:1", NO_PROXY=no_proxy))
+        self.assertEqual(self.selected(ALL_PROXY="http://p:1", NO_PROXY="apis.com"), "http://p:1")
+
+    def test_an_unusable_proxy_names_its_variable_and_how_to_go_direct(self) -> None:
+        for variable, url in (("HTTPS_PROXY", "https://user:secret@proxy:443"),
+                              ("ALL_PROXY", "socks5://user:secret@proxy:1080")):
+            with self.subTest(variable):
+                with self.assertRaises(ValueError) as caught:
+                    self.selected(**{variable: url})
+                message = str(caught.exception)
+                scheme = url.split(":")[0]
+                self.assertIn("%s is a %s:// proxy" % (variable, scheme), message)
+                self.assertIn("NO_PROXY", message)
+                self.assertIn('proxy=""', message)
+                self.assertNotIn("secret", message)
+
+    def test_no_proxy_also_bypasses_an_unusable_proxy(self) -> None:
+        self.assertIsNone(self.selected(ALL_PROXY="socks5://proxy:1080", NO_PROXY=self.HOST))
+
+    def test_a_proxy_argument_andpush_cannot_use_says_what_it_must_look_like(self) -> None:
+        for url, problem in (("socks5://u:secret@proxy:1080", "is a socks5:// proxy"),
+                             ("http://:8080", "has no host")):
+            with self.subTest(url):
+                with self.assertRaises(ValueError) as caught:
+                    andpush._parse_proxy(url)
+                message = str(caught.exception)
+                self.assertIn("proxy must look like http://[user:pass@]host:port", message)
+                self.assertIn(problem, message)
+                self.assertNotIn("secret", message)
+
+    def test_host_port_and_credentials_of_a_proxy(self) -> None:
+        basic = "Basic " + base64.b64encode(b"us er:p@ss").decode()
+        self.assertEqual(andpush._parse_proxy("http://us%20er:p%40ss@proxy.example:3128"),
+                         ("proxy.example", 3128, {"Proxy-Authorization": basic}))
+        self.assertEqual(andpush._parse_proxy("proxy.example"), ("proxy.example", 8080, {}))
+
+
 class ConnectProxy:
     """A tiny HTTP CONNECT proxy on 127.0.0.1 that records what it was asked."""
 
