@@ -1,9 +1,4 @@
-"""andpush: fast, dependency-free Firebase Cloud Messaging (FCM) for Python.
-
-One module, standard library only, Python 3.8+. Pushes go over kept-alive HTTPS
-connections from a thread-safe, fork-safe pool, so one TLS handshake serves any
-number of messages; push_many multiplexes them over HTTP/2 when the server offers it;
-the OAuth2 tokens of the HTTP v1 API are signed in pure Python::
+"""andpush: fast, dependency-free Firebase Cloud Messaging (FCM) for Python::
 
     import andpush
 
@@ -16,7 +11,13 @@ the OAuth2 tokens of the HTTP v1 API are signed in pure Python::
         for outcome in client.push_many(messages, concurrency=100):
             ...                           # a Response, or the error for that message
 
-``andpush.new(server_key)`` makes a client of the legacy API instead.
+One module, standard library only, Python 3.8+. Pushes go over kept-alive HTTPS
+connections from a thread-safe, fork-safe pool, so one TLS handshake serves any
+number of messages; push_many multiplexes them over HTTP/2 when the server offers it;
+the OAuth2 tokens of the HTTP v1 API are signed in pure Python.
+
+``andpush.new(server_key)`` makes a client of the legacy API instead
+(``andpush.build`` is another name for ``new``).
 
 The life of a pooled connection (each edge is what moves it)::
 
@@ -33,9 +34,10 @@ Errors form one tree; each says whose fault it is::
 
     Error
      +-- NetworkError      no answer: may_have_been_delivered says if it may have arrived
-     +-- AuthError         no credentials, or no access token could be had
+     +-- AuthError         no credentials, no access token, or FCM refused them
      +-- HTTPError         the server answered with a non-2xx status
           +-- ClientError  4xx: InvalidArgumentError, UnregisteredError, ...
+          |    +-- UnauthenticatedError, PermissionDeniedError: AuthErrors too
           +-- ServerError  5xx: InternalError, UnavailableError
 """
 
@@ -64,15 +66,16 @@ import time
 import urllib.parse
 from typing import (
     Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, NoReturn, Optional,
-    TextIO, Tuple, Type, Union,
+    TextIO, Tuple, Union,
 )
 
 __version__ = "0.1.0"
-__all__ = [
-    "new", "build", "Client", "Response", "Headers",
+__all__ = [  # what help(andpush) shows: ``build``, an alias of ``new``, is left out
+    "new", "Client", "Response", "Headers",
     "Error", "NetworkError", "AuthError", "HTTPError", "ClientError", "ServerError",
     "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
-    "QuotaExceededError", "ThirdPartyAuthError", "InternalError", "UnavailableError",
+    "QuotaExceededError", "ThirdPartyAuthError", "UnauthenticatedError",
+    "PermissionDeniedError", "InternalError", "UnavailableError",
 ]
 
 log = logging.getLogger("andpush")
@@ -114,11 +117,20 @@ class NetworkError(Error, OSError):
 
 
 class AuthError(Error):
-    """Credentials could not be loaded, or an access token could not be obtained."""
+    """Credentials could not be loaded, an access token could not be obtained, or FCM
+    refused the sender's own credentials (UnauthenticatedError, PermissionDeniedError)."""
 
 
 class HTTPError(Error):
-    """The server answered with a status outside 2xx; ``response`` holds the answer."""
+    """The server answered with a status outside 2xx.
+
+    Attributes:
+        response: the Response, with the answer's ``headers`` and ``body``.
+        status_code: the HTTP status, e.g. 404.
+        error_code: FCM's error code (e.g. ``"UNREGISTERED"``), else the v1 status
+            (e.g. ``"NOT_FOUND"``), else None.
+        retry_after: the seconds the server asked to wait (Retry-After), else None.
+    """
 
     def __init__(self, response: "Response") -> None:
         self.response = response
@@ -179,7 +191,7 @@ class UnavailableError(ServerError):
     """UNAVAILABLE (503): the server is overloaded; retry with backoff."""
 
 
-_ERRORS_BY_CODE: Dict[str, Type[HTTPError]] = {
+_ERRORS_BY_CODE = {
     "INVALID_ARGUMENT": InvalidArgumentError,
     "UNREGISTERED": UnregisteredError,
     "SENDER_ID_MISMATCH": SenderIdMismatchError,
@@ -193,7 +205,7 @@ _ERRORS_BY_CODE: Dict[str, Type[HTTPError]] = {
 }
 
 # A bare 404 is deliberately absent: a wrong project id answers 404 too.
-_ERRORS_BY_STATUS: Dict[int, Type[HTTPError]] = {
+_ERRORS_BY_STATUS = {
     400: InvalidArgumentError,
     429: QuotaExceededError,
     500: InternalError,
@@ -290,7 +302,16 @@ class Headers(Mapping[str, str]):
 
 
 class Response:
-    """A 2xx answer from FCM (error answers raise HTTPError and hang off it)."""
+    """A 2xx answer from FCM (error answers raise HTTPError and hang off it).
+
+    Attributes:
+        status_code: the HTTP status, e.g. 200.
+        reason: the status line's reason phrase, e.g. ``"OK"`` (empty over HTTP/2).
+        headers: the Headers, looked up case-insensitively.
+        body: the body, as bytes; ``text`` decodes it and ``json()`` parses it.
+
+    ``ok`` is True for a 2xx status (requests counts 3xx too; andpush raises for those).
+    """
 
     __slots__ = ("status_code", "reason", "headers", "body", "_json", "_tokens")
 
@@ -1572,7 +1593,7 @@ def _reason(exc: BaseException) -> str:
 # HPACK #######################################################################
 # Header compression for HTTP/2 (RFC 7541): decode the server's, encode ours without state.
 
-_HPACK_STATIC_TABLE: Tuple[Tuple[str, str], ...] = (      # RFC 7541 Appendix A, from index 1
+_HPACK_STATIC_TABLE = (      # RFC 7541 Appendix A, from index 1
     (":authority", ""), (":method", "GET"), (":method", "POST"), (":path", "/"),
     (":path", "/index.html"), (":scheme", "http"), (":scheme", "https"), (":status", "200"),
     (":status", "204"), (":status", "206"), (":status", "304"), (":status", "400"),
@@ -1604,7 +1625,7 @@ _HPACK_CACHE_MAX_BLOCK = 1024     # octets of the largest header block worth rem
 _HPACK_ENCODER_CACHE_ENTRIES = 256  # encoded header fields remembered
 
 # Huffman code (RFC 7541 Appendix B): (code, bit length) of octets 0 to 255, then of EOS.
-_HUFFMAN_CODE: Tuple[Tuple[int, int], ...] = (
+_HUFFMAN_CODE = (
     (0x1ff8, 13), (0x7fffd8, 23), (0xfffffe2, 28), (0xfffffe3, 28),  # 0-3
     (0xfffffe4, 28), (0xfffffe5, 28), (0xfffffe6, 28), (0xfffffe7, 28),  # 4-7
     (0xfffffe8, 28), (0xffffea, 24), (0x3ffffffc, 30), (0xfffffe9, 28),  # 8-11
@@ -1894,7 +1915,7 @@ def _hpack_encode_field(name: str, value: str) -> bytes:
     return _hpack_encode_int(index, 4, 0) + _hpack_encode_string(value)
 
 
-_HPACK_ENCODED_FIELDS: Dict[Tuple[str, str], bytes] = {}
+_HPACK_ENCODED_FIELDS = {}  # type: Dict[Tuple[str, str], bytes]
 
 
 def _hpack_encode(headers: Iterable[Tuple[str, str]]) -> bytes:

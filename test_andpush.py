@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pathlib
+import pydoc
 import random
 import re
 import selectors
@@ -3289,6 +3290,51 @@ class ReadmeExamplesTest(unittest.TestCase):
                         timeout=60)
                     self.assertEqual(done.returncode, 0, done.stderr)
             self.assertEqual(server.errors, [])
+
+
+class ManualTest(unittest.TestCase):
+    """help(andpush) reads as a manual: the usage first, public names only, attributes told."""
+
+    MAX_LINES = 1700  # about 1,450 today, most of it what pydoc shows of every Exception
+    PRIVATE_NAME = re.compile(r"(?<![\w.])_[A-Za-z]\w*|andpush\._\w+")
+
+    def manual(self) -> str:
+        return pydoc.render_doc(andpush, renderer=pydoc.plaintext)
+
+    def test_the_manual_stays_short_enough_to_read(self) -> None:
+        self.assertLess(len(self.manual().splitlines()), self.MAX_LINES)
+
+    def test_it_shows_no_private_names(self) -> None:
+        # Client's constructor is wiring that new() does: its parameters are internal types.
+        constructor = re.compile(r"\s*\|\s+(Client|__init__)\(")
+        leaks = [line for line in self.manual().splitlines()
+                 if self.PRIVATE_NAME.search(line) and not constructor.match(line)]
+        self.assertEqual(leaks, [])
+
+    def test_it_lists_only_the_public_names_once_each(self) -> None:
+        manual = self.manual()
+        self.assertNotIn("__annotations__", manual)
+        self.assertNotIn("build = new", manual)
+        for name in andpush.__all__:
+            with self.subTest(name):
+                self.assertRegex(manual, r"\n    (class )?%s\b" % name)
+
+    def test_the_module_docstring_opens_with_the_usage_example(self) -> None:
+        doc = andpush.__doc__ or ""
+        self.assertLess(doc.index("import andpush"), doc.index("\n\n") + 10)
+
+    def test_the_attributes_of_errors_and_responses_are_documented(self) -> None:
+        error = andpush._http_error(response(404, fcm_error(404, "UNREGISTERED").json))
+        documented = [
+            (andpush.HTTPError, list(vars(error))),
+            (andpush.NetworkError, ["may_have_been_delivered"]),
+            (andpush.Response, [n for n in andpush.Response.__slots__ if not n.startswith("_")]
+             + ["json", "text", "ok"]),
+        ]
+        for cls, attributes in documented:
+            for attribute in attributes:
+                with self.subTest("%s.%s" % (cls.__name__, attribute)):
+                    self.assertRegex(cls.__doc__ or "", r"\b%s\b" % attribute)
 
 
 # The command line, run as a user runs it ####################################################
