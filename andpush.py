@@ -46,10 +46,8 @@ import base64
 import binascii
 import collections
 import contextlib
-import email.utils
 import heapq
 import hashlib
-import http.client
 import json
 import logging
 import math
@@ -265,6 +263,8 @@ def _retry_after(value: Optional[str]) -> Optional[float]:
     value = value.strip()
     if value.isdigit():
         return float(value)
+    import email.utils  # only an HTTP date needs it: loaded on first use, not on import
+
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError):
@@ -306,7 +306,7 @@ class Response:
 
     Attributes:
         status_code: the HTTP status, e.g. 200.
-        reason: the status line's reason phrase, e.g. ``"OK"`` (empty over HTTP/2).
+        reason: the reason phrase, e.g. ``"OK"`` (over HTTP/2, the standard one for the status).
         headers: the Headers, looked up case-insensitively.
         body: the body, as bytes; ``text`` decodes it and ``json()`` parses it.
 
@@ -1508,6 +1508,8 @@ class _Transport:
 
         It speaks HTTP/2 when the server picks h2 by ALPN, else HTTP/1.1.
         """
+        import http.client  # only connecting needs it: loaded on first use, not on import
+
         origin = self.origin
         conn: http.client.HTTPConnection
         if origin.proxy:
@@ -2280,6 +2282,8 @@ class _H2Connection:
     # Ending streams -----------------------------------------------------------
 
     def _complete(self, stream: _H2Stream) -> None:
+        import http.client  # loaded by _connect already: here it costs a dict lookup
+
         reason = http.client.responses.get(stream.status, "")
         response = Response(stream.status, reason, Headers(stream.headers), bytes(stream.body))
         self._finish(stream.id, response)

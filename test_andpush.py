@@ -3337,6 +3337,31 @@ class ManualTest(unittest.TestCase):
                     self.assertRegex(cls.__doc__ or "", r"\b%s\b" % attribute)
 
 
+class ImportCostTest(unittest.TestCase):
+    """``import andpush`` loads only what every use needs; the rest comes when first used."""
+
+    LAZY = ("email.utils", "http.client")  # Retry-After dates; opening a connection
+
+    def test_import_loads_neither_date_parsing_nor_http_client(self) -> None:
+        probe = (
+            "import sys; sys.path.insert(0, %r); before = set(sys.modules); import andpush; "
+            "print(' '.join(sorted(set(%r) & (set(sys.modules) - before))))"
+            % (os.path.dirname(os.path.abspath(andpush.__file__)), self.LAZY)
+        )
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              timeout=30, check=True)
+        self.assertEqual(done.stdout.strip(), "")
+
+    def test_a_retry_after_date_still_parses(self) -> None:
+        when = email.utils.format_datetime(
+            datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=90),
+            usegmt=True)
+        wait = andpush._retry_after(when)
+        self.assertIsNotNone(wait)
+        assert wait is not None
+        self.assertTrue(80 <= wait <= 90, wait)
+
+
 # The command line, run as a user runs it ####################################################
 
 _REPO = os.path.dirname(os.path.abspath(andpush.__file__))
