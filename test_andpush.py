@@ -3247,12 +3247,12 @@ class ReadmeExamplesTest(unittest.TestCase):
                 "device_token": TOKEN, "other_token": "other-token", "server_key": SERVER_KEY,
                 "all_tokens": ["t1", "t2", "t3"], "forget": forgotten.append,
                 "app": types.SimpleNamespace(task=lambda function: function),
-                "local_server_url": server.endpoint, "local_ca_file": ca_file,
             }
             cwd = os.getcwd()
             os.chdir(directory)
             try:
                 with unittest.mock.patch.object(andpush, "new", new), \
+                        environment(FCM_TEST_ENDPOINT=server.endpoint, FCM_TEST_CA_FILE=ca_file), \
                         contextlib.redirect_stdout(io.StringIO()):
                     for number, example in enumerate(examples, 1):
                         with self.subTest(example=number):
