@@ -325,8 +325,7 @@ class Response:
 
     @property
     def ok(self) -> bool:
-        """True for a 2xx status: always for a Response push returns, never for one an
-        HTTPError carries (andpush raises on 3xx too, so unlike requests it counts only 2xx)."""
+        """True for a 2xx status: for every Response a push returns, never for an HTTPError's."""
         return 200 <= self.status_code < 300
 
     @property
@@ -1595,7 +1594,7 @@ def _reason(exc: BaseException) -> str:
 # HPACK #######################################################################
 # Header compression for HTTP/2 (RFC 7541): decode the server's, encode ours without state.
 
-_HPACK_STATIC_TABLE = (      # RFC 7541 Appendix A, from index 1
+_HPACK_STATIC_TABLE = (  # RFC 7541 Appendix A, from index 1
     (":authority", ""), (":method", "GET"), (":method", "POST"), (":path", "/"),
     (":path", "/index.html"), (":scheme", "http"), (":scheme", "https"), (":status", "200"),
     (":status", "204"), (":status", "206"), (":status", "304"), (":status", "400"),
