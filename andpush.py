@@ -1,9 +1,4 @@
-"""andpush: fast, dependency-free Firebase Cloud Messaging (FCM) for Python.
-
-One module, standard library only, Python 3.8+. Pushes go over kept-alive HTTPS
-connections from a thread-safe, fork-safe pool, so one TLS handshake serves any
-number of messages; push_many multiplexes them over HTTP/2 when the server offers it;
-the OAuth2 tokens of the HTTP v1 API are signed in pure Python::
+"""andpush: fast, dependency-free Firebase Cloud Messaging (FCM) for Python::
 
     import andpush
 
@@ -12,11 +7,17 @@ the OAuth2 tokens of the HTTP v1 API are signed in pure Python::
             "token": device_token,
             "notification": {"title": "Update", "body": "Ready"},
         })
-        print(response.json["name"])
+        print(response.json()["name"])
         for outcome in client.push_many(messages, concurrency=100):
             ...                           # a Response, or the error for that message
 
-``andpush.new(server_key)`` makes a client of the legacy API instead.
+One module, standard library only, Python 3.8+. Pushes go over kept-alive HTTPS
+connections from a thread-safe, fork-safe pool, so one TLS handshake serves any
+number of messages; push_many multiplexes them over HTTP/2 when the server offers it;
+the OAuth2 tokens of the HTTP v1 API are signed in pure Python.
+
+``andpush.new(server_key)`` makes a client of the legacy API instead
+(``andpush.build`` is another name for ``new``).
 
 The life of a pooled connection (each edge is what moves it)::
 
@@ -33,9 +34,10 @@ Errors form one tree; each says whose fault it is::
 
     Error
      +-- NetworkError      no answer: may_have_been_delivered says if it may have arrived
-     +-- AuthError         no credentials, or no access token could be had
+     +-- AuthError         no credentials, no access token, or FCM refused them
      +-- HTTPError         the server answered with a non-2xx status
           +-- ClientError  4xx: InvalidArgumentError, UnregisteredError, ...
+          |    +-- UnauthenticatedError, PermissionDeniedError: AuthErrors too
           +-- ServerError  5xx: InternalError, UnavailableError
 """
 
@@ -45,7 +47,6 @@ import collections
 import contextlib
 import heapq
 import hashlib
-import http.client
 import json
 import logging
 import math
@@ -66,11 +67,12 @@ from typing import (
 )
 
 __version__ = "0.1.0"
-__all__ = [
-    "new", "build", "Client", "Response", "Headers",
+__all__ = [  # what help(andpush) shows: ``build``, an alias of ``new``, is left out
+    "new", "Client", "Response", "Headers",
     "Error", "NetworkError", "AuthError", "HTTPError", "ClientError", "ServerError",
     "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
-    "QuotaExceededError", "ThirdPartyAuthError", "InternalError", "UnavailableError",
+    "QuotaExceededError", "ThirdPartyAuthError", "UnauthenticatedError",
+    "PermissionDeniedError", "InternalError", "UnavailableError",
 ]
 
 log = logging.getLogger("andpush")
@@ -129,13 +131,20 @@ class NetworkError(Error, OSError):
 
 
 class AuthError(Error):
-    """Credentials could not be loaded, or an access token could not be obtained."""
+    """Credentials could not be loaded, an access token could not be obtained, or FCM
+    refused the sender's own credentials (UnauthenticatedError, PermissionDeniedError)."""
 
 
 class HTTPError(Error):
-    """The server answered with a status outside 2xx; ``response`` holds the answer.
+    """The server answered with a status outside 2xx.
 
-    The response (status, reason, headers, body) is plain data and is pickled with the error.
+    Attributes:
+        response: the Response, with the answer's ``headers`` and ``body``; plain data,
+            pickled with the error.
+        status_code: the HTTP status, e.g. 404.
+        error_code: FCM's error code (e.g. ``"UNREGISTERED"``), else the v1 status
+            (e.g. ``"NOT_FOUND"``), else None.
+        retry_after: the seconds the server asked to wait (Retry-After), else None.
     """
 
     def __init__(self, response: "Response") -> None:
@@ -174,6 +183,21 @@ class ThirdPartyAuthError(ClientError):
     """THIRD_PARTY_AUTH_ERROR (401): the APNs certificate or web push key is invalid."""
 
 
+class UnauthenticatedError(ClientError, AuthError):
+    """UNAUTHENTICATED (401): FCM refused the sender's own credentials; also an AuthError.
+
+    A v1 access token is refreshed and the push sent once more before this is raised.
+    """
+
+
+class PermissionDeniedError(ClientError, AuthError):
+    """PERMISSION_DENIED (403): the credentials may not send for this project; also an AuthError.
+
+    Grant the service account a role with cloudmessaging.messages.create and enable the
+    Firebase Cloud Messaging API for the project.
+    """
+
+
 class InternalError(ServerError):
     """INTERNAL (500): an unknown server error; retry with backoff."""
 
@@ -182,19 +206,21 @@ class UnavailableError(ServerError):
     """UNAVAILABLE (503): the server is overloaded; retry with backoff."""
 
 
-_ERRORS_BY_CODE: Dict[str, Type[HTTPError]] = {
+_ERRORS_BY_CODE = {
     "INVALID_ARGUMENT": InvalidArgumentError,
     "UNREGISTERED": UnregisteredError,
     "SENDER_ID_MISMATCH": SenderIdMismatchError,
     "QUOTA_EXCEEDED": QuotaExceededError,
     "THIRD_PARTY_AUTH_ERROR": ThirdPartyAuthError,
     "APNS_AUTH_ERROR": ThirdPartyAuthError,
+    "UNAUTHENTICATED": UnauthenticatedError,
+    "PERMISSION_DENIED": PermissionDeniedError,
     "INTERNAL": InternalError,
     "UNAVAILABLE": UnavailableError,
 }
 
 # A bare 404 is deliberately absent: a wrong project id answers 404 too.
-_ERRORS_BY_STATUS: Dict[int, Type[HTTPError]] = {
+_ERRORS_BY_STATUS = {
     400: InvalidArgumentError,
     429: QuotaExceededError,
     500: InternalError,
@@ -229,7 +255,7 @@ def _http_error(response: "Response") -> HTTPError:
 def _error_envelope(response: "Response") -> Dict[str, Any]:
     """The v1 ``{"error": {...}}`` object of a response, or {} when there is none."""
     try:
-        error = response.json.get("error")
+        error = response.json().get("error")
     except (ValueError, AttributeError):
         return {}
     return error if isinstance(error, dict) else {}
@@ -383,7 +409,16 @@ class Headers(Mapping[str, str]):
 
 
 class Response:
-    """A 2xx answer from FCM (error answers raise HTTPError and hang off it)."""
+    """A 2xx answer from FCM (error answers raise HTTPError and hang off it).
+
+    Attributes:
+        status_code: the HTTP status, e.g. 200.
+        reason: the reason phrase, e.g. ``"OK"`` (over HTTP/2, the standard one for the status).
+        headers: the Headers, looked up case-insensitively.
+        body: the body, as bytes; ``text`` decodes it and ``json()`` parses it.
+
+    ``ok`` is True for a 2xx status (requests counts 3xx too; andpush raises for those).
+    """
 
     __slots__ = ("status_code", "reason", "headers", "body", "_json", "_tokens")
 
@@ -396,6 +431,15 @@ class Response:
         self._tokens: Tuple[str, ...] = ()
 
     @property
+    def ok(self) -> bool:
+        """True for a 2xx status: for every Response a push returns, never for an HTTPError's."""
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        """The body decoded as UTF-8 (what JSON must be), undecodable bytes replaced."""
+        return self.body.decode("utf-8", "replace")
+
     def json(self) -> Any:
         """The body parsed as JSON, once; ValueError when the body is not JSON."""
         if self._json is _UNPARSED:
@@ -423,7 +467,8 @@ class Response:
 
     def _results(self) -> List[Tuple[str, Dict[str, str]]]:
         """Pairs of (request token, its legacy result), in request order."""
-        results = self.json.get("results") if isinstance(self.json, dict) else None
+        answer = self.json()
+        results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list):
             return []
         return [(t, r) for t, r in zip(self._tokens, results) if isinstance(r, dict)]
@@ -890,7 +935,7 @@ def _auth_error(error: Error) -> Error:
     if not isinstance(error, HTTPError):
         return error
     try:
-        answer = error.response.json
+        answer = error.response.json()
         reason = "%s: %s" % (answer["error"], answer.get("error_description", ""))
     except (ValueError, KeyError, TypeError):
         reason = "HTTP %d %s" % (error.status_code, error.response.reason)
@@ -906,7 +951,7 @@ def _token_from(response: Response, source: str) -> Tuple[str, Optional[float]]:
     head; the error says what is wrong with it but never shows it.
     """
     try:
-        answer = response.json
+        answer = response.json()
         token, lifetime = answer["access_token"], answer.get("expires_in")
     except (ValueError, KeyError, TypeError, AttributeError):
         raise AuthError("%s answered without an access_token" % source) from None
@@ -1179,11 +1224,19 @@ class _Origin:
         return "%s://%s" % (self.scheme, self.host_header)
 
 
-def _parse_proxy(url: str) -> Tuple[str, int, Dict[str, str]]:
-    """Host, port and CONNECT headers of an ``http://[user:pass@]host:port`` proxy URL."""
+_PROXY_VARIABLES = ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")  # curl's order
+
+
+def _parse_proxy(url: str, source: str = "proxy") -> Tuple[str, int, Dict[str, str]]:
+    """Host, port and CONNECT headers of an ``http://[user:pass@]host:port`` proxy URL.
+
+    ``source`` names where the URL came from (the argument, or an environment variable),
+    so that the ValueError for a proxy andpush cannot use says what to change. The URL
+    itself is never quoted: it may hold a password.
+    """
     parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
     if parts.scheme != "http" or not parts.hostname:
-        raise ValueError("proxy must look like http://[user:pass@]host:port")
+        raise _unusable_proxy(parts, source)
     headers = {}
     if parts.username is not None:
         credentials = "%s:%s" % (
@@ -1193,16 +1246,37 @@ def _parse_proxy(url: str) -> Tuple[str, int, Dict[str, str]]:
     return parts.hostname, parts.port or 8080, headers
 
 
+def _unusable_proxy(parts: urllib.parse.SplitResult, source: str) -> ValueError:
+    """The ValueError for a proxy URL that is not ``http://host[:port]``, saying what to do."""
+    if parts.scheme != "http":
+        problem = "is a %s:// proxy; andpush tunnels only through http:// ones" % parts.scheme
+    else:
+        problem = "has no host"
+    if source == "proxy":
+        return ValueError("proxy must look like http://[user:pass@]host:port: it " + problem)
+    return ValueError(
+        "%s %s: set it to http://[user:pass@]host:port, or have andpush connect directly "
+        "with NO_PROXY or andpush.new(..., proxy=\"\")" % (source, problem)
+    )
+
+
 def _proxy_from_environment(host: str) -> Optional[str]:
-    """The HTTPS proxy that HTTPS_PROXY / NO_PROXY select for ``host``, as curl reads them."""
-    proxy = os.environ.get("https_proxy") or os.environ.get("HTTPS_PROXY")
-    if not proxy:
+    """The proxy the environment selects for HTTPS to ``host``, as curl and requests read it.
+
+    HTTPS_PROXY, else ALL_PROXY (the lower-case spelling first), unless NO_PROXY names the
+    host or one of its parent domains (``*`` for all). A proxy andpush cannot use is a
+    ValueError naming its variable.
+    """
+    source = next((name for name in _PROXY_VARIABLES if os.environ.get(name)), None)
+    if source is None:
         return None
     no_proxy = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
     for entry in (e.strip().lower() for e in no_proxy.split(",")):
         entry = entry.split(":")[0].lstrip(".") if not entry.startswith("[") else entry
         if entry == "*" or entry and (host == entry or host.endswith("." + entry)):
             return None
+    proxy = os.environ[source]
+    _parse_proxy(proxy, source)
     return proxy
 
 
@@ -1590,6 +1664,8 @@ class _Transport:
 
         It speaks HTTP/2 when the server picks h2 by ALPN, else HTTP/1.1.
         """
+        import http.client  # only connecting needs it: loaded on first use, not on import
+
         origin = self.origin
         conn: http.client.HTTPConnection
         if origin.proxy:
@@ -1675,7 +1751,7 @@ def _reason(exc: BaseException) -> str:
 # HPACK #######################################################################
 # Header compression for HTTP/2 (RFC 7541): decode the server's, encode ours without state.
 
-_HPACK_STATIC_TABLE: Tuple[Tuple[str, str], ...] = (      # RFC 7541 Appendix A, from index 1
+_HPACK_STATIC_TABLE = (  # RFC 7541 Appendix A, from index 1
     (":authority", ""), (":method", "GET"), (":method", "POST"), (":path", "/"),
     (":path", "/index.html"), (":scheme", "http"), (":scheme", "https"), (":status", "200"),
     (":status", "204"), (":status", "206"), (":status", "304"), (":status", "400"),
@@ -1707,7 +1783,7 @@ _HPACK_CACHE_MAX_BLOCK = 1024     # octets of the largest header block worth rem
 _HPACK_ENCODER_CACHE_ENTRIES = 256  # encoded header fields remembered
 
 # Huffman code (RFC 7541 Appendix B): (code, bit length) of octets 0 to 255, then of EOS.
-_HUFFMAN_CODE: Tuple[Tuple[int, int], ...] = (
+_HUFFMAN_CODE = (
     (0x1ff8, 13), (0x7fffd8, 23), (0xfffffe2, 28), (0xfffffe3, 28),  # 0-3
     (0xfffffe4, 28), (0xfffffe5, 28), (0xfffffe6, 28), (0xfffffe7, 28),  # 4-7
     (0xfffffe8, 28), (0xffffea, 24), (0x3ffffffc, 30), (0xfffffe9, 28),  # 8-11
@@ -1997,7 +2073,7 @@ def _hpack_encode_field(name: str, value: str) -> bytes:
     return _hpack_encode_int(index, 4, 0) + _hpack_encode_string(value)
 
 
-_HPACK_ENCODED_FIELDS: Dict[Tuple[str, str], bytes] = {}
+_HPACK_ENCODED_FIELDS = {}  # type: Dict[Tuple[str, str], bytes]
 
 
 def _hpack_encode(headers: Iterable[Tuple[str, str]]) -> bytes:
@@ -2362,6 +2438,8 @@ class _H2Connection:
     # Ending streams -----------------------------------------------------------
 
     def _complete(self, stream: _H2Stream) -> None:
+        import http.client  # loaded by _connect already: here it costs a dict lookup
+
         reason = http.client.responses.get(stream.status, "")
         response = Response(stream.status, reason, Headers(stream.headers), bytes(stream.body))
         self._finish(stream.id, response)
@@ -2476,6 +2554,7 @@ _AnyConnection = Union[_Connection, _H2Connection]
 # The two FCM APIs: where a message goes, how it is wrapped, and what is wrong with it.
 
 _TARGETS = ("token", "topic", "condition", "fid")
+_MULTICAST_FIELDS = ("tokens", "registration_ids")  # other clients' ways to name many targets
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9\-_.~%]{1,900}\Z")
 _RESERVED_DATA_KEYS = ("from", "message_type")
 _RESERVED_DATA_PREFIXES = ("google", "gcm")
@@ -2505,6 +2584,12 @@ def _check_message(message: object) -> Dict[str, Any]:
     are present, so a typical message costs a few dict lookups more.
     """
     message = _check_dict(message)
+    for field in _MULTICAST_FIELDS:
+        if field in message:
+            raise ValueError(
+                "a v1 message has one target, not %r: to send it to many devices, leave %r "
+                "out and call client.push_multicast(message, tokens)" % (field, field)
+            )
     targets = [name for name in _TARGETS if name in message]
     if len(targets) != 1:
         raise ValueError(
@@ -4033,7 +4118,7 @@ def _count_tokens(path: str) -> Optional[int]:
 def _answer(response: Response) -> Tuple[Optional[str], Optional[str]]:
     """A 2xx answer's message name (v1) or id (legacy), and the legacy error if it has one."""
     try:
-        answer, errors = response.json, response.errors
+        answer, errors = response.json(), response.errors
     except ValueError:  # not JSON
         return None, None
     refused = next(iter(errors.values()), None)
@@ -4085,7 +4170,7 @@ def _cmd_send(args: "argparse.Namespace") -> int:
         except (TypeError, ValueError) as exc:
             raise _Failure("bad message: %s" % exc) from None
     try:
-        print(json.dumps(response.json, indent=2))
+        print(json.dumps(response.json(), indent=2))
     except ValueError:  # not JSON
         print(response.body.decode("utf-8", "replace"))
     refused = _answer(response)[1]

@@ -14,12 +14,14 @@ import copy
 import datetime
 import email.utils
 import hashlib
+import inspect
 import io
 import json
 import multiprocessing
 import os
 import pathlib
 import pickle
+import pydoc
 import random
 import re
 import selectors
@@ -1125,6 +1127,22 @@ class ErrorClassificationTest(unittest.TestCase):
                 base = andpush.ClientError if status < 500 else andpush.ServerError
                 self.assertIsInstance(error, base)
 
+    def test_the_senders_own_credentials_refused_are_auth_errors_too(self) -> None:
+        table = [(401, andpush.UnauthenticatedError), (403, andpush.PermissionDeniedError)]
+        for status, cls in table:
+            with self.subTest(cls.__name__):
+                error = andpush._http_error(response(status, fcm_error(status, None).json))
+                self.assertIs(type(error), cls)
+                self.assertIsInstance(error, andpush.ClientError)
+                self.assertIsInstance(error, andpush.AuthError)
+
+    def test_device_and_third_party_credential_errors_are_not_auth_errors(self) -> None:
+        # Their envelopes say UNAUTHENTICATED/PERMISSION_DENIED too: the errorCode wins.
+        for status, code in ((401, "THIRD_PARTY_AUTH_ERROR"), (403, "SENDER_ID_MISMATCH")):
+            with self.subTest(code):
+                error = andpush._http_error(response(status, fcm_error(status, code).json))
+                self.assertNotIsInstance(error, andpush.AuthError)
+
     def test_without_an_error_code_the_status_decides(self) -> None:
         table = [
             (400, andpush.InvalidArgumentError), (429, andpush.QuotaExceededError),
@@ -1262,7 +1280,7 @@ class ErrorCopyTest(unittest.TestCase):
             self.assertEqual(copied.response.reason, original.response.reason)
             self.assertEqual(dict(copied.response.headers), dict(original.response.headers))
             self.assertEqual(copied.response.body, original.response.body)
-            self.assertEqual(copied.response.json, original.response.json)
+            self.assertEqual(copied.response.json(), original.response.json())
 
     def test_every_public_error_survives_pickle_in_every_protocol(self) -> None:
         for error in every_public_error():
@@ -1281,7 +1299,7 @@ class ErrorCopyTest(unittest.TestCase):
         original._tokens = ("device-a",)
         self.assertEqual(original.errors, {"device-a": "NotRegistered"})  # parsed once here
         copied = pickle.loads(pickle.dumps(original))
-        self.assertEqual(copied.json, original.json)
+        self.assertEqual(copied.json(), original.json())
         self.assertEqual(copied.errors, {"device-a": "NotRegistered"})
         self.assertEqual(copied.headers["X-Id"], "1")
 
@@ -1356,12 +1374,25 @@ class HeadersAndResponseTest(unittest.TestCase):
 
     def test_json_is_parsed_once_and_non_json_says_so(self) -> None:
         ok = response(200, {"a": 1})
-        self.assertIs(ok.json, ok.json)
+        self.assertIs(ok.json(), ok.json())
         with self.assertRaisesRegex(ValueError, "not JSON"):
-            response(200, b"<html>").json
+            response(200, b"<html>").json()
 
     def test_repr_shows_no_body(self) -> None:
         self.assertEqual(repr(response(200, {"token": TOKEN})), "<Response [200]>")
+
+    def test_json_is_a_method_as_in_requests(self) -> None:
+        self.assertEqual(response(200, {"name": "n"}).json(), {"name": "n"})
+
+    def test_text_is_the_body_decoded_as_utf8_with_bad_bytes_replaced(self) -> None:
+        self.assertEqual(response(200, '{"title": "Grüße"}'.encode()).text, '{"title": "Grüße"}')
+        self.assertEqual(response(502, b"bad \xff gateway").text, "bad \ufffd gateway")
+
+    def test_ok_is_true_only_for_2xx(self) -> None:
+        self.assertEqual(
+            [response(status, {}).ok for status in (200, 204, 299, 302, 400, 503)],
+            [True, True, True, False, False, False],
+        )
 
 
 class BadInputTest(ServerTestCase):
@@ -1429,8 +1460,8 @@ class KeepAliveTest(ServerTestCase):
         response = self.client().push(LEGACY_MESSAGE)
         self.assertEqual(response.status_code, 200)
         self.assertEqual(response.headers["Content-Type"], JSON_CONTENT_TYPE)
-        self.assertEqual(json.loads(response.body), response.json)
-        self.assertEqual(response.json["success"], 1)
+        self.assertEqual(json.loads(response.body), response.json())
+        self.assertEqual(response.json()["success"], 1)
         sent = self.server.requests[0]
         self.assertEqual(sent.headers["authorization"], "key=" + SERVER_KEY)
         self.assertEqual(sent.json, LEGACY_MESSAGE)
@@ -1617,7 +1648,7 @@ class MalformedAnswerTest(ServerTestCase):
     def test_chunked_body_is_read_and_the_connection_kept(self) -> None:
         self.server.inject(CHUNKED)
         client = self.client()
-        self.assertEqual(client.push(LEGACY_MESSAGE).json["success"], 1)
+        self.assertEqual(client.push(LEGACY_MESSAGE).json()["success"], 1)
         client.push(LEGACY_MESSAGE)
         self.assertEqual(self.server.handshakes, 1)
 
@@ -1626,7 +1657,7 @@ class MalformedAnswerTest(ServerTestCase):
         answer = self.client().push(LEGACY_MESSAGE)
         self.assertEqual(answer.body, b"<html>oops</html>")
         with self.assertRaisesRegex(ValueError, "not JSON"):
-            answer.json
+            answer.json()
 
 
 class ErrorAnswerTest(ServerTestCase):
@@ -1662,7 +1693,7 @@ class LegacyResultsTest(ServerTestCase):
 
     def test_validate_only_is_a_dry_run(self) -> None:
         answer = self.client().push(LEGACY_MESSAGE, validate_only=True)
-        self.assertEqual(answer.json["multicast_id"], -1)
+        self.assertEqual(answer.json()["multicast_id"], -1)
         self.assertIs(self.server.requests[0].json["dry_run"], True)
 
 
@@ -1712,6 +1743,68 @@ class ProxyTest(ServerTestCase):
                 client.push(LEGACY_MESSAGE)
         self.assertFalse(caught.exception.may_have_been_delivered)
         self.assertEqual(self.server.processed, 0)
+
+
+class ProxyFromEnvironmentTest(unittest.TestCase):
+    """Which proxy the environment selects, read as curl and requests read it (no sockets)."""
+
+    HOST = "fcm.googleapis.com"
+    CLEAR = {"HTTPS_PROXY": "", "ALL_PROXY": "", "NO_PROXY": ""}
+
+    def selected(self, **variables: str) -> Optional[str]:
+        with environment(**dict(self.CLEAR, **variables)):
+            return andpush._proxy_from_environment(self.HOST)
+
+    def test_https_proxy_then_all_proxy(self) -> None:
+        self.assertIsNone(self.selected())
+        self.assertEqual(self.selected(ALL_PROXY="http://all:3128"), "http://all:3128")
+        self.assertEqual(self.selected(HTTPS_PROXY="http://https:3128", ALL_PROXY="http://all:1"),
+                         "http://https:3128")
+
+    def test_the_lower_case_spelling_wins(self) -> None:
+        with environment(**self.CLEAR):
+            os.environ.update(all_proxy="http://lower:1", ALL_PROXY="http://upper:2")
+            self.assertEqual(andpush._proxy_from_environment(self.HOST), "http://lower:1")
+
+    def test_no_proxy_names_the_host_a_parent_domain_or_everything(self) -> None:
+        for no_proxy in ("fcm.googleapis.com", ".googleapis.com", "example.com, googleapis.com",
+                         "*"):
+            with self.subTest(no_proxy):
+                self.assertIsNone(self.selected(ALL_PROXY="http://p:1", NO_PROXY=no_proxy))
+        self.assertEqual(self.selected(ALL_PROXY="http://p:1", NO_PROXY="apis.com"), "http://p:1")
+
+    def test_an_unusable_proxy_names_its_variable_and_how_to_go_direct(self) -> None:
+        for variable, url in (("HTTPS_PROXY", "https://user:secret@proxy:443"),
+                              ("ALL_PROXY", "socks5://user:secret@proxy:1080")):
+            with self.subTest(variable):
+                with self.assertRaises(ValueError) as caught:
+                    self.selected(**{variable: url})
+                message = str(caught.exception)
+                scheme = url.split(":")[0]
+                self.assertIn("%s is a %s:// proxy" % (variable, scheme), message)
+                self.assertIn("NO_PROXY", message)
+                self.assertIn('proxy=""', message)
+                self.assertNotIn("secret", message)
+
+    def test_no_proxy_also_bypasses_an_unusable_proxy(self) -> None:
+        self.assertIsNone(self.selected(ALL_PROXY="socks5://proxy:1080", NO_PROXY=self.HOST))
+
+    def test_a_proxy_argument_andpush_cannot_use_says_what_it_must_look_like(self) -> None:
+        for url, problem in (("socks5://u:secret@proxy:1080", "is a socks5:// proxy"),
+                             ("http://:8080", "has no host")):
+            with self.subTest(url):
+                with self.assertRaises(ValueError) as caught:
+                    andpush._parse_proxy(url)
+                message = str(caught.exception)
+                self.assertIn("proxy must look like http://[user:pass@]host:port", message)
+                self.assertIn(problem, message)
+                self.assertNotIn("secret", message)
+
+    def test_host_port_and_credentials_of_a_proxy(self) -> None:
+        basic = "Basic " + base64.b64encode(b"us er:p@ss").decode()
+        self.assertEqual(andpush._parse_proxy("http://us%20er:p%40ss@proxy.example:3128"),
+                         ("proxy.example", 3128, {"Proxy-Authorization": basic}))
+        self.assertEqual(andpush._parse_proxy("proxy.example"), ("proxy.example", 8080, {}))
 
 
 class ConnectProxy:
@@ -2655,7 +2748,7 @@ class V1TestCase(ServerTestCase):
 class V1SendTest(V1TestCase):
     def test_push_posts_the_message_with_a_bearer_token(self) -> None:
         answer = self.v1_client().push(V1_MESSAGE)
-        self.assertEqual(answer.json["name"], "projects/%s/messages/0:1" % TEST_PROJECT)
+        self.assertEqual(answer.json()["name"], "projects/%s/messages/0:1" % TEST_PROJECT)
         token_request, send = self.server.requests
         self.assertEqual(token_request.path, "/token")
         self.assertEqual(send.path, "/v1/projects/%s/messages:send" % TEST_PROJECT)
@@ -2682,7 +2775,7 @@ class V1SendTest(V1TestCase):
 
     def test_validate_only(self) -> None:
         answer = self.v1_client().push(V1_MESSAGE, validate_only=True)
-        self.assertTrue(answer.json["name"].endswith("fake_message_id"))
+        self.assertTrue(answer.json()["name"].endswith("fake_message_id"))
         self.assertIs(self.server.requests[-1].json["validate_only"], True)
 
     def test_credentials_as_a_path_a_dict_or_a_json_string(self) -> None:
@@ -2850,6 +2943,14 @@ class MessageValidationTest(unittest.TestCase):
             with self.subTest(fields=fields):
                 api.prepare(dict(fields, to=TOKEN), False)
 
+    def test_many_tokens_in_one_message_point_to_push_multicast(self) -> None:
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        for field in ("tokens", "registration_ids"):
+            with self.subTest(field):
+                with self.assertRaisesRegex(ValueError, r"leave '%s' out and call "
+                                            r"client\.push_multicast\(message, tokens\)" % field):
+                    api.prepare({field: ["a", "b"], "notification": {"title": "Hi"}}, False)
+
     def test_good_targets(self) -> None:
         api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
         for message in ({"topic": "news-1_a.b~c%d"}, {"condition": "'a' in topics"},
@@ -2894,9 +2995,21 @@ class V1ErrorTest(V1TestCase):
         client = self.v1_client()
         client.push(V1_MESSAGE)
         self.server.by_token[TOKEN] = [fcm_error(401, None), fcm_error(401, None)]
-        with self.assertRaises(andpush.ClientError) as caught:
+        with self.assertRaises(andpush.AuthError) as caught:
             client.push(V1_MESSAGE)
+        self.assertIsInstance(caught.exception, andpush.UnauthenticatedError)
         self.assertEqual(caught.exception.status_code, 401)
+
+    def test_permission_denied_is_caught_as_an_auth_error_and_not_retried(self) -> None:
+        client = self.v1_client()
+        client.push(V1_MESSAGE)
+        self.server.inject(fcm_error(403, None, "Permission denied"))
+        before = self.server.processed
+        with self.assertRaises(andpush.AuthError) as caught:
+            client.push(V1_MESSAGE)
+        self.assertIsInstance(caught.exception, andpush.PermissionDeniedError)
+        self.assertEqual(self.server.processed, before + 1)
+        self.assertEqual(len(self.server.issued), 1)
 
 
 class TokenTest(V1TestCase):
@@ -3431,12 +3544,12 @@ class ReadmeExamplesTest(unittest.TestCase):
                 "device_token": TOKEN, "other_token": "other-token", "server_key": SERVER_KEY,
                 "all_tokens": ["t1", "t2", "t3"], "forget": forgotten.append,
                 "app": types.SimpleNamespace(task=lambda function: function),
-                "local_server_url": server.endpoint, "local_ca_file": ca_file,
             }
             cwd = os.getcwd()
             os.chdir(directory)
             try:
                 with unittest.mock.patch.object(andpush, "new", new), \
+                        environment(FCM_TEST_ENDPOINT=server.endpoint, FCM_TEST_CA_FILE=ca_file), \
                         contextlib.redirect_stdout(io.StringIO()):
                     for number, example in enumerate(examples, 1):
                         with self.subTest(example=number):
@@ -3478,6 +3591,74 @@ class ReadmeExamplesTest(unittest.TestCase):
             finally:
                 os.chdir(cwd)
             self.assertEqual(server.errors, [])
+
+
+class ManualTest(unittest.TestCase):
+    """help(andpush) reads as a manual: the usage first, public names only, attributes told."""
+
+    MAX_LINES = 1700  # about 1,450 today, most of it what pydoc shows of every Exception
+    PRIVATE_NAME = re.compile(r"(?<![\w.])_[A-Za-z]\w*|andpush\._\w+")
+
+    def manual(self) -> str:
+        return pydoc.render_doc(andpush, renderer=pydoc.plaintext)
+
+    def test_the_manual_stays_short_enough_to_read(self) -> None:
+        self.assertLess(len(self.manual().splitlines()), self.MAX_LINES)
+
+    def test_it_shows_no_private_names(self) -> None:
+        # Client's constructor is wiring that new() does: its parameters are internal types.
+        wiring = set(self.PRIVATE_NAME.findall(str(inspect.signature(andpush.Client.__init__))))
+        self.assertEqual(set(self.PRIVATE_NAME.findall(self.manual())) - wiring, set())
+
+    def test_it_lists_only_the_public_names_once_each(self) -> None:
+        manual = self.manual()
+        self.assertNotIn("__annotations__", manual)
+        self.assertNotIn("build = new", manual)
+        for name in andpush.__all__:
+            with self.subTest(name):
+                self.assertRegex(manual, r"\n    (class )?%s\b" % name)
+
+    def test_the_module_docstring_opens_with_the_usage_example(self) -> None:
+        doc = andpush.__doc__ or ""
+        self.assertLess(doc.index("import andpush"), doc.index("\n\n") + 10)
+
+    def test_the_attributes_of_errors_and_responses_are_documented(self) -> None:
+        error = andpush._http_error(response(404, fcm_error(404, "UNREGISTERED").json))
+        documented = [
+            (andpush.HTTPError, list(vars(error))),
+            (andpush.NetworkError, ["may_have_been_delivered"]),
+            (andpush.Response, [n for n in andpush.Response.__slots__ if not n.startswith("_")]
+             + ["json", "text", "ok"]),
+        ]
+        for cls, attributes in documented:
+            for attribute in attributes:
+                with self.subTest("%s.%s" % (cls.__name__, attribute)):
+                    self.assertRegex(cls.__doc__ or "", r"\b%s\b" % attribute)
+
+
+class ImportCostTest(unittest.TestCase):
+    """``import andpush`` loads only what every use needs; the rest comes when first used."""
+
+    LAZY = ("email.utils", "http.client")  # Retry-After dates; opening a connection
+
+    def test_import_loads_neither_date_parsing_nor_http_client(self) -> None:
+        probe = (
+            "import sys; sys.path.insert(0, %r); before = set(sys.modules); import andpush; "
+            "print(' '.join(sorted(set(%r) & (set(sys.modules) - before))))"
+            % (os.path.dirname(os.path.abspath(andpush.__file__)), self.LAZY)
+        )
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              timeout=30, check=True)
+        self.assertEqual(done.stdout.strip(), "")
+
+    def test_a_retry_after_date_still_parses(self) -> None:
+        when = email.utils.format_datetime(
+            datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=90),
+            usegmt=True)
+        wait = andpush._retry_after(when)
+        self.assertIsNotNone(wait)
+        assert wait is not None
+        self.assertTrue(80 <= wait <= 90, wait)
 
 
 # The command line, run as a user runs it ####################################################
@@ -5367,8 +5548,8 @@ class HTTP2Test(HTTP2TestCase):
     def test_push_many_multiplexes_streams_over_one_connection(self) -> None:
         outcomes = self.push_many(200, concurrency=50)
         self.assert_all_sent_once(outcomes, 200)
-        self.assertEqual(outcomes[7].json["name"], "projects/%s/messages/0:%d" % (
-            TEST_PROJECT, int(outcomes[7].json["name"].rsplit(":", 1)[1])))
+        self.assertEqual(outcomes[7].json()["name"], "projects/%s/messages/0:%d" % (
+            TEST_PROJECT, int(outcomes[7].json()["name"].rsplit(":", 1)[1])))
         self.assertEqual(self.server.protocols, ["h2"])
         self.assertGreater(self.server.max_open_streams_seen, 1)
         self.assertEqual(self.server.settings_received[0][1], 0)  # HEADER_TABLE_SIZE 0
@@ -5377,7 +5558,7 @@ class HTTP2Test(HTTP2TestCase):
     def test_push_works_over_http2_one_stream_at_a_time(self) -> None:
         client = self.h2_client()
         for _ in range(3):
-            self.assertEqual(client.push(V1_MESSAGE).json["name"].split("/")[1], TEST_PROJECT)
+            self.assertEqual(client.push(V1_MESSAGE).json()["name"].split("/")[1], TEST_PROJECT)
         self.assertEqual(self.server.connections, 1)
 
     def test_http2_false_keeps_to_http11(self) -> None:
