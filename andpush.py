@@ -491,599 +491,6 @@ _UNPARSED = object()
 Outcome = Union[Response, Exception]
 
 
-# Credentials #################################################################
-# OAuth2 access tokens for the v1 API: key files, RS256 in pure Python, caching.
-
-#: The OAuth2 scope that FCM v1 requires.
-FCM_SCOPE = "https://www.googleapis.com/auth/firebase.messaging"
-_GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
-_METADATA_HOST = "metadata.google.internal"
-_JWT_LIFETIME = 3600           # seconds, the most Google accepts
-_TOKEN_REFRESH_MARGIN = 300.0  # seconds before expiry at which a token is replaced
-_TOKEN_RETRIES = 2             # extra attempts for a token endpoint answering 5xx/408/429
-_TOKEN_BACKOFF = 0.5           # seconds before the first of those
-_TOKEN_FAILURE_HOLD = 1.0      # seconds a failed token request answers for the next ones
-
-# DER tags used by PKCS#1 / PKCS#8 private keys.
-_DER_INTEGER = 0x02
-_DER_OCTET_STRING = 0x04
-_DER_NULL = 0x05
-_DER_OBJECT_IDENTIFIER = 0x06
-_DER_SEQUENCE = 0x30
-_DER_CONTEXT_CLASS = 0x80  # [n] tagged optional fields, e.g. PKCS#8 attributes
-_DER_MAX_LENGTH_BYTES = 3  # long-form lengths 0x81..0x83 (up to 16 MiB) suffice for keys
-
-# rsaEncryption, 1.2.840.113549.1.1.1 (OBJECT IDENTIFIER content bytes).
-_RSA_ENCRYPTION_OID = bytes.fromhex("2a864886f70d010101")
-# Other key algorithms that may turn up in a PKCS#8 file, named in error messages.
-_OTHER_KEY_ALGORITHMS = {
-    bytes.fromhex("2a8648ce3d0201"): "an EC",
-    bytes.fromhex("2b6570"): "an Ed25519",
-    bytes.fromhex("2b6571"): "an Ed448",
-    bytes.fromhex("2a864886f70d01010a"): "an RSASSA-PSS-only",
-}
-# DigestInfo prefix for SHA-256 (RFC 8017 section 9.2, note 1); the digest follows it.
-_SHA256_DIGEST_INFO = bytes.fromhex("3031300d060960864801650304020105000420")
-_SHA256_DIGEST_SIZE = 32
-_MIN_RSA_BITS = 1024  # Google issues 2048-bit keys; anything smaller is broken or fake.
-
-_PEM_BEGIN = "-----BEGIN "
-_PEM_END = "-----END "
-_PEM_DASHES = "-----"
-_PKCS8_LABEL = "PRIVATE KEY"
-_PKCS1_LABEL = "RSA PRIVATE KEY"
-_FIX_HINT = "use the private_key value from the service account JSON file unchanged"
-_CORRUPT_HINT = "check it was copied completely, or create a new service account key"
-_WRONG_LABELS = {
-    "ENCRYPTED PRIVATE KEY": "is an encrypted PKCS#8 key; export the service account key "
-    "unencrypted (as Google issues it)",
-    "EC PRIVATE KEY": "is an EC key, but service account keys are RSA; " + _FIX_HINT,
-    "PUBLIC KEY": "is a public key, not a private key; " + _FIX_HINT,
-    "RSA PUBLIC KEY": "is a public key, not a private key; " + _FIX_HINT,
-    "CERTIFICATE": "is a certificate, not a private key; " + _FIX_HINT,
-    "OPENSSH PRIVATE KEY": "is an OpenSSH key; convert it with "
-    "'ssh-keygen -p -m PKCS8 -f FILE' or " + _FIX_HINT,
-}
-
-
-def _b64url(data: bytes) -> str:
-    """Encode bytes as unpadded base64url, as JWS compact serialization requires."""
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _malformed(detail: str) -> ValueError:
-    """Build the error for structurally broken key data (detail never holds key bytes)."""
-    return ValueError(f"private_key is not a valid RSA private key ({detail}); {_CORRUPT_HINT}")
-
-
-def _der_read(data: bytes, offset: int) -> Tuple[int, bytes, int]:
-    """Read the DER element at offset; return (tag, value, offset just past it)."""
-    if offset + 2 > len(data):
-        raise _malformed("truncated DER element")
-    tag, length = data[offset], data[offset + 1]
-    offset += 2
-    if length & 0x80:  # long form: the low bits count the length bytes that follow
-        count = length & 0x7F
-        if not 1 <= count <= _DER_MAX_LENGTH_BYTES:
-            raise _malformed("unsupported DER length encoding")
-        if offset + count > len(data):
-            raise _malformed("truncated DER length")
-        length = int.from_bytes(data[offset : offset + count], "big")
-        offset += count
-    end = offset + length
-    if end > len(data):
-        raise _malformed("truncated DER element")
-    return tag, data[offset:end], end
-
-
-def _der_elements(data: bytes) -> List[Tuple[int, bytes]]:
-    """Split concatenated DER elements (such as a SEQUENCE body) into (tag, value) pairs."""
-    elements = []
-    offset = 0
-    while offset < len(data):
-        tag, value, offset = _der_read(data, offset)
-        elements.append((tag, value))
-    return elements
-
-
-def _der_sequence_body(data: bytes, what: str) -> bytes:
-    """Return the contents of the single SEQUENCE that must make up all of data."""
-    tag, value, end = _der_read(data, 0)
-    if tag != _DER_SEQUENCE:
-        raise _malformed(f"{what} is not a DER SEQUENCE")
-    if end != len(data):
-        raise _malformed(f"{len(data) - end} bytes of trailing data after {what}")
-    return value
-
-
-def _der_integer(tag: int, value: bytes) -> int:
-    """Decode a DER INTEGER that must be non-negative (all RSA key fields are)."""
-    if tag != _DER_INTEGER or not value:
-        raise _malformed("expected a DER INTEGER")
-    if value[0] & 0x80:
-        raise _malformed("unexpected negative INTEGER")
-    return int.from_bytes(value, "big")
-
-
-class _RSAPrivateKey:
-    """An RSA private key with CRT parameters, plus precomputed signing constants."""
-
-    __slots__ = ("d", "dp", "dq", "e", "em_prefix", "n", "p", "q", "qinv", "size")
-
-    def __init__(self, n: int, e: int, d: int, p: int, q: int, dp: int, dq: int, qinv: int):
-        """Store the key numbers and precompute the fixed part of every encoded message."""
-        self.n, self.e, self.d = n, e, d
-        self.p, self.q, self.dp, self.dq, self.qinv = p, q, dp, dq, qinv
-        self.size = (n.bit_length() + 7) // 8  # k in RFC 8017: modulus length in bytes
-        padding = self.size - len(_SHA256_DIGEST_INFO) - _SHA256_DIGEST_SIZE - 3
-        # EM = 00 01 FF..FF 00 DigestInfo digest; all but the digest is fixed per key.
-        self.em_prefix = b"\x00\x01" + b"\xff" * padding + b"\x00" + _SHA256_DIGEST_INFO
-
-    def __repr__(self) -> str:
-        """Describe the key by size only, so logs and tracebacks never leak key material."""
-        return f"<RSA private key, {self.n.bit_length()} bits>"
-
-
-def _check_rsa_key(key: _RSAPrivateKey) -> None:
-    """Reject keys whose numbers are inconsistent, since CRT signing would emit bad signatures."""
-    if key.n.bit_length() < _MIN_RSA_BITS:
-        raise ValueError(
-            f"private_key is a {key.n.bit_length()}-bit RSA key, but at least {_MIN_RSA_BITS} "
-            f"bits are required; {_FIX_HINT}"
-        )
-    if key.e < 3 or key.e % 2 == 0 or min(key.p, key.q, key.d) < 2:
-        raise _malformed("public or private exponent out of range")
-    if key.p * key.q != key.n:
-        raise _malformed("p*q != n")
-    if key.dp != key.d % (key.p - 1) or key.dq != key.d % (key.q - 1):
-        raise _malformed("CRT exponents do not match d")
-    if (key.e * key.dp) % (key.p - 1) != 1 or (key.e * key.dq) % (key.q - 1) != 1:
-        raise _malformed("private exponent does not match e")
-    if (key.qinv * key.q) % key.p != 1:
-        raise _malformed("CRT coefficient is not q^-1 mod p")
-
-
-def _parse_pkcs1(der: bytes) -> _RSAPrivateKey:
-    """Parse RSAPrivateKey ::= SEQUENCE {0, n, e, d, p, q, dP, dQ, qInv} (RFC 8017 A.1.2)."""
-    elements = _der_elements(_der_sequence_body(der, "RSAPrivateKey"))
-    if not elements or _der_integer(*elements[0]) != 0:
-        raise _malformed("unsupported RSAPrivateKey version; multi-prime keys are unsupported")
-    if len(elements) != 9:
-        raise _malformed(f"RSAPrivateKey has {len(elements)} fields instead of 9")
-    n, e, d, p, q, dp, dq, qinv = (_der_integer(tag, value) for tag, value in elements[1:])
-    return _RSAPrivateKey(n, e, d, p, q, dp, dq, qinv)
-
-
-def _check_rsa_algorithm(algorithm: bytes) -> None:
-    """Require AlgorithmIdentifier {rsaEncryption, NULL}; name the algorithm otherwise."""
-    fields = _der_elements(algorithm)
-    if not fields or fields[0][0] != _DER_OBJECT_IDENTIFIER:
-        raise _malformed("PrivateKeyInfo has no algorithm OBJECT IDENTIFIER")
-    oid = fields[0][1]
-    if oid != _RSA_ENCRYPTION_OID:
-        kind = _OTHER_KEY_ALGORITHMS.get(oid, "a non-RSA")
-        raise ValueError(
-            f"private_key is {kind} key, but service account keys are RSA; {_FIX_HINT}"
-        )
-    if fields[1:] not in ([], [(_DER_NULL, b"")]):
-        raise _malformed("unexpected rsaEncryption parameters")
-
-
-def _parse_pkcs8(der: bytes) -> _RSAPrivateKey:
-    """Parse PrivateKeyInfo ::= SEQUENCE {version, AlgorithmIdentifier, OCTET STRING key, ...}."""
-    elements = _der_elements(_der_sequence_body(der, "PrivateKeyInfo"))
-    if len(elements) < 3:
-        raise _malformed("PrivateKeyInfo is missing fields")
-    (version_tag, version), (algorithm_tag, algorithm), (key_tag, key) = elements[:3]
-    if _der_integer(version_tag, version) not in (0, 1):  # 1 = OneAsymmetricKey (RFC 5958)
-        raise _malformed("unsupported PrivateKeyInfo version")
-    if algorithm_tag != _DER_SEQUENCE:
-        raise _malformed("PrivateKeyInfo algorithm is not a SEQUENCE")
-    _check_rsa_algorithm(algorithm)
-    if key_tag != _DER_OCTET_STRING:
-        raise _malformed("PrivateKeyInfo privateKey is not an OCTET STRING")
-    if any(tag & 0xC0 != _DER_CONTEXT_CLASS for tag, _ in elements[3:]):
-        raise _malformed("unexpected fields after PrivateKeyInfo privateKey")
-    return _parse_pkcs1(key)
-
-
-def _pem_decode(pem: str) -> Tuple[str, bytes]:
-    """Split one PEM block into its label and DER bytes, explaining any problem found.
-
-    Text before the BEGIN line and after the END line is skipped: RFC 7468 section 2 allows
-    explanatory text outside the encapsulation boundaries. A second block is refused, so a
-    certificate bundled with the key is not silently taken or left.
-    """
-    lines = [line.strip() for line in pem.splitlines()]
-    begins = [index for index, line in enumerate(lines) if line.startswith(_PEM_BEGIN)]
-    first = lines[begins[0]] if begins else ""
-    if not first.endswith(_PEM_DASHES):
-        hint = " (it has literal '\\n' sequences: decode the JSON string)" if "\\n" in pem else ""
-        raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
-    label = first[len(_PEM_BEGIN) : -len(_PEM_DASHES)]
-    if label in _WRONG_LABELS:
-        raise ValueError(f"private_key {_WRONG_LABELS[label]}")
-    if label not in (_PKCS8_LABEL, _PKCS1_LABEL):
-        raise ValueError(f"private_key has unsupported PEM type {label[:40]!r}; {_FIX_HINT}")
-    if len(begins) > 1:
-        raise ValueError("private_key holds more than one PEM block; pass only the private key")
-    end_line = f"{_PEM_END}{label}{_PEM_DASHES}"
-    rest = lines[begins[0] + 1 :]
-    end = next((i for i, line in enumerate(rest) if line.startswith(_PEM_DASHES)), None)
-    if end is None or rest[end] != end_line:
-        raise ValueError(f"private_key has no '{end_line}' line; {_FIX_HINT}")
-    body = rest[:end]
-    if any(line.startswith("Proc-Type:") for line in body):
-        raise ValueError(
-            "private_key is an encrypted PEM key; export the service account key unencrypted "
-            "(as Google issues it)"
-        )
-    try:
-        return label, base64.b64decode("".join(body), validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"private_key PEM body is not valid base64; {_CORRUPT_HINT}") from None
-
-
-def _parse_private_key(pem: str) -> _RSAPrivateKey:
-    """Parse a PKCS#8 or PKCS#1 PEM RSA private key and check that its numbers agree."""
-    if not isinstance(pem, str):
-        raise TypeError(f"private_key must be a PEM string, not {type(pem).__name__}")
-    label, der = _pem_decode(pem)
-    key = _parse_pkcs8(der) if label == _PKCS8_LABEL else _parse_pkcs1(der)
-    _check_rsa_key(key)
-    return key
-
-
-def _rs256_sign(key: _RSAPrivateKey, message: bytes) -> bytes:
-    """Sign with RSASSA-PKCS1-v1_5 over SHA-256 (JWS RS256), using the CRT for speed."""
-    m = int.from_bytes(key.em_prefix + hashlib.sha256(message).digest(), "big")
-    s1 = pow(m, key.dp, key.p)
-    s2 = pow(m, key.dq, key.q)
-    h = (key.qinv * (s1 - s2)) % key.p
-    return (s2 + key.q * h).to_bytes(key.size, "big")
-
-
-def _jwt(header: Dict[str, Any], claims: Dict[str, Any], key: _RSAPrivateKey) -> str:
-    """Build a compact RS256-signed JWT, e.g. an OAuth2 service-account assertion."""
-    parts = (json.dumps(part, separators=(",", ":")).encode("utf-8") for part in (header, claims))
-    signing_input = ".".join(_b64url(part) for part in parts)
-    return signing_input + "." + _b64url(_rs256_sign(key, signing_input.encode("ascii")))
-
-class _Credentials:
-    """A source of access tokens, with the project id it knows of (if any)."""
-
-    project_id: Optional[str] = None
-    refreshable = True
-    fetch_blocks = True  # fetch() does I/O, so the I/O loop never calls it
-
-    def fetch(self) -> Tuple[str, Optional[float]]:
-        """A new access token and its lifetime in seconds (None: unknown)."""
-        raise NotImplementedError
-
-    def find_project_id(self) -> Optional[str]:
-        return self.project_id
-
-    def __repr__(self) -> str:
-        return "<%s project_id=%r>" % (type(self).__name__, self.project_id)
-
-
-class _TokenGrant(_Credentials):
-    """Credentials that trade a form POST to an OAuth2 token endpoint for a token."""
-
-    def __init__(self, token_uri: str, loop: "_Loop") -> None:
-        origin, self._token_path = _split_url(token_uri, "token_uri")
-        self._route = loop.route(origin)
-
-    def fetch(self) -> Tuple[str, Optional[float]]:
-        body = urllib.parse.urlencode(self._grant()).encode("ascii")
-        headers = {"Content-Type": "application/x-www-form-urlencoded"}
-        answer = _request_token(self._route, "POST", self._token_path, headers, body)
-        return _token_from(answer, "the token endpoint")
-
-    def _grant(self) -> Dict[str, str]:
-        raise NotImplementedError
-
-
-class _ServiceAccount(_TokenGrant):
-    """A service account key file: sign a JWT with its private key (RFC 7523 grant)."""
-
-    def __init__(self, info: Dict[str, Any], loop: "_Loop") -> None:
-        self._email = _field(info, "client_email")
-        self._key_id = info.get("private_key_id")
-        try:
-            self._key = _parse_private_key(_field(info, "private_key"))
-        except ValueError as exc:
-            raise AuthError("service account key: %s" % exc) from None
-        self._token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
-        self.project_id = info.get("project_id") or None
-        super().__init__(self._token_uri, loop)
-
-    def _grant(self) -> Dict[str, str]:
-        return {
-            "grant_type": "urn:ietf:params:oauth:grant-type:jwt-bearer",
-            "assertion": self.assertion(int(time.time())),
-        }
-
-    def assertion(self, now: int) -> str:
-        """The signed JWT that asks for an FCM access token."""
-        header = {"alg": "RS256", "typ": "JWT"}
-        if self._key_id:  # left out when the key file has none, as google-auth does
-            header["kid"] = str(self._key_id)
-        claims = {
-            "iss": self._email, "scope": FCM_SCOPE, "aud": self._token_uri,
-            "iat": now, "exp": now + _JWT_LIFETIME,
-        }
-        return _jwt(header, claims, self._key)
-
-
-class _AuthorizedUser(_TokenGrant):
-    """gcloud's user credentials: trade the refresh token for an access token."""
-
-    def __init__(self, info: Dict[str, Any], loop: "_Loop") -> None:
-        self._grant_fields = {
-            "grant_type": "refresh_token",
-            "client_id": _field(info, "client_id"),
-            "client_secret": _field(info, "client_secret"),
-            "refresh_token": _field(info, "refresh_token"),
-        }
-        self.project_id = info.get("quota_project_id") or None
-        super().__init__(str(info.get("token_uri") or _GOOGLE_TOKEN_URI), loop)
-
-    def _grant(self) -> Dict[str, str]:
-        return self._grant_fields
-
-
-class _MetadataServer(_Credentials):
-    """The metadata server of GCE, Cloud Run and GKE: the attached service account's token."""
-
-    _HEADERS = {"Metadata-Flavor": "Google"}
-    _TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
-    _PROJECT_PATH = "/computeMetadata/v1/project/project-id"
-
-    def __init__(self, host: str, tried: List[str], loop: "_Loop") -> None:
-        self._tried = tried + ["the metadata server at %s" % host]
-        self._route = loop.route("http://" + host)
-
-    def fetch(self) -> Tuple[str, Optional[float]]:
-        return _token_from(self._get(self._TOKEN_PATH), "the metadata server")
-
-    def find_project_id(self) -> Optional[str]:
-        if self.project_id is None:
-            body = self._get(self._PROJECT_PATH).body
-            try:
-                self.project_id = body.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise AuthError(
-                    "the metadata server sent a project id that is not UTF-8 text; "
-                    "pass project_id= or set GOOGLE_CLOUD_PROJECT"
-                ) from None
-        return self.project_id
-
-    def _get(self, path: str) -> Response:
-        try:
-            return _request_token(self._route, "GET", path, self._HEADERS, b"")
-        except NetworkError as exc:
-            raise AuthError(
-                "no Google credentials found; tried %s (%s). Pass credentials= or set "
-                "GOOGLE_APPLICATION_CREDENTIALS to a service account key file"
-                % (", ".join(self._tried), exc)
-            ) from None
-
-
-class _StaticToken(_Credentials):
-    """An access token obtained elsewhere: a fixed string, or a callable asked each time."""
-
-    fetch_blocks = False
-
-    def __init__(self, token: Union[str, Callable[[], str]], project_id: str) -> None:
-        self._token = token
-        self.project_id = project_id
-        self.refreshable = callable(token)
-
-    def fetch(self) -> Tuple[str, Optional[float]]:
-        token = self._token() if callable(self._token) else self._token
-        if not isinstance(token, str) or not _is_header_token(token):
-            raise AuthError(
-                "access_token must be a non-empty str of visible ASCII characters "
-                "(no spaces, line breaks or control characters)"
-            )
-        return token, 0.0 if callable(self._token) else None
-
-
-# What may follow "Bearer " in a header: visible ASCII, as in RFC 6750's b64token and wider.
-_HEADER_TOKEN = re.compile(r"[\x21-\x7e]+\Z")
-
-
-def _is_header_token(token: str) -> bool:
-    """Whether an access token can go into an Authorization header as it is."""
-    return _HEADER_TOKEN.match(token) is not None
-
-
-def _field(info: Dict[str, Any], name: str) -> str:
-    value = info.get(name)
-    if not isinstance(value, str) or not value:
-        raise AuthError("credentials have no %r; use the JSON key file as downloaded" % name)
-    return value
-
-
-def _request_token(
-    route: "_Route", method: str, path: str, headers: Dict[str, str], body: bytes
-) -> Response:
-    """Ask a token endpoint, retrying briefly what may succeed later (it is idempotent)."""
-    retry = _Retry(_TOKEN_RETRIES, _TOKEN_BACKOFF, idempotent=True, may_refresh=False)
-    try:
-        return route.request(method, path, headers, body, retry)
-    except Error as exc:
-        raise _auth_error(exc) from None
-
-
-def _auth_error(error: Error) -> Error:
-    """The AuthError for a failed token request, in the token endpoint's own words."""
-    if not isinstance(error, HTTPError):
-        return error
-    try:
-        answer = error.response.json()
-        reason = "%s: %s" % (answer["error"], answer.get("error_description", ""))
-    except (ValueError, KeyError, TypeError):
-        reason = "HTTP %d %s" % (error.status_code, error.response.reason)
-    if "invalid_grant" in reason and ("iat" in reason or "exp" in reason or "JWT" in reason):
-        reason += " (is this machine's clock right?)"
-    return AuthError("the token request failed: " + reason.strip().rstrip(":"))
-
-
-def _token_from(response: Response, source: str) -> Tuple[str, Optional[float]]:
-    """The access token and lifetime of a token endpoint's (or metadata server's) 200 answer.
-
-    The token is checked like one passed in by hand, since it goes into every request's
-    head; the error says what is wrong with it but never shows it.
-    """
-    try:
-        answer = response.json()
-        token, lifetime = answer["access_token"], answer.get("expires_in")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise AuthError("%s answered without an access_token" % source) from None
-    if not isinstance(token, str) or not token:
-        raise AuthError("%s answered without an access_token" % source)
-    if not _is_header_token(token):
-        raise AuthError(
-            "%s sent an unusable access token (it holds a space, line break, control or "
-            "non-ASCII character, so it cannot go in a header); check the endpoint is "
-            "Google's or ask its operator" % source
-        )
-    return token, float(lifetime) if isinstance(lifetime, (int, float)) else None
-
-
-class _TokenCache:
-    """The current access token, refreshed shortly before it expires.
-
-    However many threads find it stale at once, one of them fetches (single flight);
-    the others wait and share its token or its error. A failure is given to every caller
-    for a second before the next try, so that a push_many over broken credentials does
-    not ask the token endpoint once per message.
-    """
-
-    def __init__(self, credentials: _Credentials) -> None:
-        self.credentials = credentials
-        self._lock = threading.Lock()
-        self._token: Optional[str] = None
-        self._expires = 0.0
-        self._generation = 0
-        self._error: Optional[Error] = None
-        self._error_until = 0.0
-
-    def get(self) -> str:
-        token = self._token
-        if token is not None and time.monotonic() < self._expires:
-            return token
-        generation = self._generation
-        with self._lock:
-            fresh = self._generation != generation or time.monotonic() < self._error_until
-            if fresh and self._error is not None:
-                raise self._error
-            if self._generation != generation and self._token is not None:
-                return self._token
-            return self._refresh()
-
-    def current(self) -> Optional[str]:
-        """The token, if it can be had without waiting: valid, or fetched without I/O.
-
-        None when it must be fetched (``get``); the failure of the last second is raised.
-        """
-        token = self._token
-        if token is not None and time.monotonic() < self._expires:
-            return token
-        if self._error is not None and time.monotonic() < self._error_until:
-            raise self._error
-        return None if self.credentials.fetch_blocks else self.get()
-
-    def invalidate(self, token: str) -> None:
-        """Forget ``token`` (the server rejected it) unless it was replaced already."""
-        with self._lock:
-            if self._token == token:
-                self._token = None
-
-    def _refresh(self) -> str:
-        try:
-            token, lifetime = self.credentials.fetch()
-        except Error as exc:
-            self._token, self._error = None, exc
-            self._error_until = time.monotonic() + _TOKEN_FAILURE_HOLD
-            raise
-        finally:
-            self._generation += 1
-        self._error = None
-        self._token = token
-        self._expires = (
-            math.inf if lifetime is None
-            else time.monotonic() + max(0.0, lifetime - _TOKEN_REFRESH_MARGIN)
-        )
-        log.debug("got a new access token (lifetime %s s)", lifetime)
-        return token
-
-
-def _load_credentials(source: object, loop: "_Loop") -> _Credentials:
-    """Credentials from a key file path, a dict, or a JSON string."""
-    if isinstance(source, dict):
-        info = source
-    elif isinstance(source, (str, os.PathLike)):
-        info = _read_json_credentials(source)
-    else:
-        raise TypeError(
-            "credentials must be a path, a dict or a JSON string, got %s" % type(source).__name__
-        )
-    kind = info.get("type")
-    if kind == "service_account":
-        return _ServiceAccount(info, loop)
-    if kind == "authorized_user":
-        return _AuthorizedUser(info, loop)
-    raise AuthError(
-        "credentials of type %r are not supported; use a service account key file "
-        "or gcloud's application default credentials" % (kind,)
-    )
-
-
-def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
-    text = str(source)
-    what = "credentials"
-    if text.lstrip()[:1] not in ("{", "["):
-        what = "credentials file %r" % text
-        try:
-            with open(source, encoding="utf-8") as file:
-                text = file.read()
-        except OSError as exc:
-            raise AuthError("cannot read %s: %s" % (what, exc.strerror or exc)) from None
-    try:
-        info = json.loads(text)
-    except ValueError:
-        raise AuthError("%s is not JSON; use the key file as downloaded" % what) from None
-    if not isinstance(info, dict):
-        raise AuthError("%s is not a JSON object; use the key file as downloaded" % what)
-    return info
-
-
-def _application_default_credentials(loop: "_Loop") -> _Credentials:
-    """Application Default Credentials, looked up in the order Google's libraries use."""
-    path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
-    if path:
-        return _load_credentials(path, loop)
-    tried = ["GOOGLE_APPLICATION_CREDENTIALS (not set)"]
-    gcloud = os.path.join(_gcloud_config_dir(), "application_default_credentials.json")
-    if os.path.exists(gcloud):
-        return _load_credentials(gcloud, loop)
-    tried.append("%s (not found)" % gcloud)
-    host = os.environ.get("GCE_METADATA_HOST") or _METADATA_HOST
-    return _MetadataServer(host, tried, loop)
-
-
-def _gcloud_config_dir() -> str:
-    configured = os.environ.get("CLOUDSDK_CONFIG")
-    if configured:
-        return configured
-    if os.name == "nt":
-        return os.path.join(os.environ.get("APPDATA", ""), "gcloud")
-    return os.path.join(os.path.expanduser("~"), ".config", "gcloud")
-
-
 # Policy ######################################################################
 # When a request may start, and what each finished attempt means: decided here only.
 
@@ -2500,7 +1907,7 @@ class _Loop:
         self._lock = threading.Lock()
         self._inbox: List[Callable[[], None]] = []
         self._routes: List[_Route] = []
-        self._batches: List["_Batch"] = []
+        self._batches: List[_Batch] = []
         self._thread: Optional[threading.Thread] = None
         self._pid = os.getpid()
         self._closed = False
@@ -3105,6 +2512,765 @@ class _Loop:
             route.reset()
         self._timers, self._needs_token, self._batches, self._dirty = [], [], [], []
 
+# Outcomes push_many may hold per message in flight, sent or waiting to be consumed: room
+# for the rest to go on while one waits out a retry's backoff, yet bounded.
+_WINDOW_PER_WORKER = 64
+
+
+class _Batch:
+    """One push_many: its input, the exchanges made of it, and their outcomes in order.
+
+    A feeder thread reads the input (which may block: a generator over a database cursor)
+    and prepares exchanges, at most ``window`` ahead of the consumer, so memory stays
+    bounded however many items there are. The I/O loop takes them, ``concurrency`` in
+    flight at most, and hands back their outcomes.
+    """
+
+    def __init__(
+        self,
+        items: Iterable[Any],
+        make: Callable[[Any], _Exchange],
+        route: _Route,
+        concurrency: int,
+        progress: Optional[Callable[[int, int], None]],
+    ) -> None:
+        self._items = iter(items)
+        self._make = make
+        self.route = route
+        self.concurrency = concurrency
+        self._window = concurrency * _WINDOW_PER_WORKER
+        self._progress = progress
+        self._condition = threading.Condition()
+        self._prepared: Deque[_Exchange] = collections.deque()
+        self._outcomes: Dict[int, Outcome] = {}
+        self._read = 0          # items taken from the input
+        self._yielded = 0       # outcomes handed to the consumer
+        self._in_flight = 0     # exchanges the loop has started and not ended
+        self._done = 0
+        self._failed = 0
+        self._exhausted = False
+        self._stopped = False
+        self._loop_waits = False  # the loop found nothing prepared and wants a wake
+        self._error: Optional[BaseException] = None
+
+    # The feeder thread ------------------------------------------------------------
+
+    def feed(self) -> None:
+        """Read the input and prepare exchanges until it ends or the batch is stopped."""
+        while True:
+            with self._condition:
+                while not self._stopped and (
+                        len(self._prepared) >= self.concurrency
+                        or self._read - self._yielded >= self._window):
+                    self._condition.wait()
+                if self._stopped:
+                    return
+                index = self._read
+            try:
+                item = next(self._items)
+            except StopIteration:
+                self._end_of_input(None)
+                return
+            except BaseException as exc:  # the caller's generator failed: hand it over
+                self._end_of_input(exc)
+                return
+            self._prepare(index, item)
+
+    def _prepare(self, index: int, item: Any) -> None:
+        try:
+            exchange: Optional[_Exchange] = self._make(item)
+        except (Error, TypeError, ValueError) as exc:
+            exchange, bad = None, exc
+        with self._condition:
+            self._read += 1
+            if exchange is None:
+                self._store(index, bad)
+            else:
+                exchange.index = index
+                exchange.on_done = self._finished
+                self._prepared.append(exchange)
+            wake, self._loop_waits = self._loop_waits, False
+        if wake:
+            self.route.loop.wake()
+
+    def _end_of_input(self, error: Optional[BaseException]) -> None:
+        with self._condition:
+            self._exhausted, self._error = True, error
+            self._condition.notify_all()
+        self.route.loop.wake()
+
+    # The I/O loop's thread --------------------------------------------------------
+
+    def ready(self) -> List[_Exchange]:
+        """The prepared exchanges that may start now, within ``concurrency``."""
+        with self._condition:
+            if self._stopped:
+                self._prepared.clear()  # taken from the input, never sent: no outcome due
+                return []
+            room = self.concurrency - self._in_flight
+            taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
+            self._in_flight += len(taken)
+            if taken:
+                self._condition.notify_all()
+            self._loop_waits = room > len(taken) and not self._exhausted
+            return taken
+
+    def ended(self) -> bool:
+        """Whether the loop may forget the batch: nothing left to read, start or end."""
+        with self._condition:
+            return (self._stopped or self._exhausted) and not self._prepared and (
+                not self._in_flight)
+
+    def _finished(self, exchange: _Exchange) -> None:
+        assert exchange.outcome is not None
+        with self._condition:
+            self._in_flight -= 1
+            self._store(exchange.index, exchange.outcome)
+
+    def abandon(self, reason: str) -> None:
+        """The loop is gone: the prepared exchanges end unsent, and so does the batch."""
+        with self._condition:
+            for exchange in self._prepared:
+                self._store(exchange.index,
+                            NetworkError(reason, may_have_been_delivered=False))
+            self._prepared.clear()
+            self._in_flight = 0
+            self._stopped = self._stopped or not self._exhausted
+            if not self._exhausted:
+                self._exhausted = True
+                self._error = NetworkError(reason, may_have_been_delivered=False)
+
+    def _store(self, index: int, outcome: Outcome) -> None:
+        """Keep an outcome for the consumer (the condition is held)."""
+        self._outcomes[index] = outcome
+        self._done += 1
+        self._failed += isinstance(outcome, Exception)
+        self._condition.notify_all()
+        if self._progress is not None:
+            self._progress(self._done, self._failed)
+
+    # The consumer -----------------------------------------------------------------
+
+    def next_outcome(self) -> Outcome:
+        with self._condition:
+            while self._yielded not in self._outcomes:
+                if self._stopped:
+                    raise StopIteration
+                if self._exhausted and self._yielded == self._read:
+                    if self._error is not None:
+                        error, self._error = self._error, None
+                        raise error
+                    raise StopIteration
+                self._condition.wait()
+            if self._stopped:
+                raise StopIteration
+            outcome = self._outcomes.pop(self._yielded)
+            self._yielded += 1
+            self._condition.notify_all()
+            return outcome
+
+    def stop(self) -> None:
+        with self._condition:
+            self._stopped = True
+            self._condition.notify_all()
+        with contextlib.suppress(ValueError):
+            self.route.loop.wake()
+
+
+# Credentials #################################################################
+# OAuth2 access tokens for the v1 API: key files, RS256 in pure Python, caching.
+
+#: The OAuth2 scope that FCM v1 requires.
+FCM_SCOPE = "https://www.googleapis.com/auth/firebase.messaging"
+_GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
+_METADATA_HOST = "metadata.google.internal"
+_JWT_LIFETIME = 3600           # seconds, the most Google accepts
+_TOKEN_REFRESH_MARGIN = 300.0  # seconds before expiry at which a token is replaced
+_TOKEN_RETRIES = 2             # extra attempts for a token endpoint answering 5xx/408/429
+_TOKEN_BACKOFF = 0.5           # seconds before the first of those
+_TOKEN_FAILURE_HOLD = 1.0      # seconds a failed token request answers for the next ones
+
+# DER tags used by PKCS#1 / PKCS#8 private keys.
+_DER_INTEGER = 0x02
+_DER_OCTET_STRING = 0x04
+_DER_NULL = 0x05
+_DER_OBJECT_IDENTIFIER = 0x06
+_DER_SEQUENCE = 0x30
+_DER_CONTEXT_CLASS = 0x80  # [n] tagged optional fields, e.g. PKCS#8 attributes
+_DER_MAX_LENGTH_BYTES = 3  # long-form lengths 0x81..0x83 (up to 16 MiB) suffice for keys
+
+# rsaEncryption, 1.2.840.113549.1.1.1 (OBJECT IDENTIFIER content bytes).
+_RSA_ENCRYPTION_OID = bytes.fromhex("2a864886f70d010101")
+# Other key algorithms that may turn up in a PKCS#8 file, named in error messages.
+_OTHER_KEY_ALGORITHMS = {
+    bytes.fromhex("2a8648ce3d0201"): "an EC",
+    bytes.fromhex("2b6570"): "an Ed25519",
+    bytes.fromhex("2b6571"): "an Ed448",
+    bytes.fromhex("2a864886f70d01010a"): "an RSASSA-PSS-only",
+}
+# DigestInfo prefix for SHA-256 (RFC 8017 section 9.2, note 1); the digest follows it.
+_SHA256_DIGEST_INFO = bytes.fromhex("3031300d060960864801650304020105000420")
+_SHA256_DIGEST_SIZE = 32
+_MIN_RSA_BITS = 1024  # Google issues 2048-bit keys; anything smaller is broken or fake.
+
+_PEM_BEGIN = "-----BEGIN "
+_PEM_END = "-----END "
+_PEM_DASHES = "-----"
+_PKCS8_LABEL = "PRIVATE KEY"
+_PKCS1_LABEL = "RSA PRIVATE KEY"
+_FIX_HINT = "use the private_key value from the service account JSON file unchanged"
+_CORRUPT_HINT = "check it was copied completely, or create a new service account key"
+_WRONG_LABELS = {
+    "ENCRYPTED PRIVATE KEY": "is an encrypted PKCS#8 key; export the service account key "
+    "unencrypted (as Google issues it)",
+    "EC PRIVATE KEY": "is an EC key, but service account keys are RSA; " + _FIX_HINT,
+    "PUBLIC KEY": "is a public key, not a private key; " + _FIX_HINT,
+    "RSA PUBLIC KEY": "is a public key, not a private key; " + _FIX_HINT,
+    "CERTIFICATE": "is a certificate, not a private key; " + _FIX_HINT,
+    "OPENSSH PRIVATE KEY": "is an OpenSSH key; convert it with "
+    "'ssh-keygen -p -m PKCS8 -f FILE' or " + _FIX_HINT,
+}
+
+
+def _b64url(data: bytes) -> str:
+    """Encode bytes as unpadded base64url, as JWS compact serialization requires."""
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _malformed(detail: str) -> ValueError:
+    """Build the error for structurally broken key data (detail never holds key bytes)."""
+    return ValueError(f"private_key is not a valid RSA private key ({detail}); {_CORRUPT_HINT}")
+
+
+def _der_read(data: bytes, offset: int) -> Tuple[int, bytes, int]:
+    """Read the DER element at offset; return (tag, value, offset just past it)."""
+    if offset + 2 > len(data):
+        raise _malformed("truncated DER element")
+    tag, length = data[offset], data[offset + 1]
+    offset += 2
+    if length & 0x80:  # long form: the low bits count the length bytes that follow
+        count = length & 0x7F
+        if not 1 <= count <= _DER_MAX_LENGTH_BYTES:
+            raise _malformed("unsupported DER length encoding")
+        if offset + count > len(data):
+            raise _malformed("truncated DER length")
+        length = int.from_bytes(data[offset : offset + count], "big")
+        offset += count
+    end = offset + length
+    if end > len(data):
+        raise _malformed("truncated DER element")
+    return tag, data[offset:end], end
+
+
+def _der_elements(data: bytes) -> List[Tuple[int, bytes]]:
+    """Split concatenated DER elements (such as a SEQUENCE body) into (tag, value) pairs."""
+    elements = []
+    offset = 0
+    while offset < len(data):
+        tag, value, offset = _der_read(data, offset)
+        elements.append((tag, value))
+    return elements
+
+
+def _der_sequence_body(data: bytes, what: str) -> bytes:
+    """Return the contents of the single SEQUENCE that must make up all of data."""
+    tag, value, end = _der_read(data, 0)
+    if tag != _DER_SEQUENCE:
+        raise _malformed(f"{what} is not a DER SEQUENCE")
+    if end != len(data):
+        raise _malformed(f"{len(data) - end} bytes of trailing data after {what}")
+    return value
+
+
+def _der_integer(tag: int, value: bytes) -> int:
+    """Decode a DER INTEGER that must be non-negative (all RSA key fields are)."""
+    if tag != _DER_INTEGER or not value:
+        raise _malformed("expected a DER INTEGER")
+    if value[0] & 0x80:
+        raise _malformed("unexpected negative INTEGER")
+    return int.from_bytes(value, "big")
+
+
+class _RSAPrivateKey:
+    """An RSA private key with CRT parameters, plus precomputed signing constants."""
+
+    __slots__ = ("d", "dp", "dq", "e", "em_prefix", "n", "p", "q", "qinv", "size")
+
+    def __init__(self, n: int, e: int, d: int, p: int, q: int, dp: int, dq: int, qinv: int):
+        """Store the key numbers and precompute the fixed part of every encoded message."""
+        self.n, self.e, self.d = n, e, d
+        self.p, self.q, self.dp, self.dq, self.qinv = p, q, dp, dq, qinv
+        self.size = (n.bit_length() + 7) // 8  # k in RFC 8017: modulus length in bytes
+        padding = self.size - len(_SHA256_DIGEST_INFO) - _SHA256_DIGEST_SIZE - 3
+        # EM = 00 01 FF..FF 00 DigestInfo digest; all but the digest is fixed per key.
+        self.em_prefix = b"\x00\x01" + b"\xff" * padding + b"\x00" + _SHA256_DIGEST_INFO
+
+    def __repr__(self) -> str:
+        """Describe the key by size only, so logs and tracebacks never leak key material."""
+        return f"<RSA private key, {self.n.bit_length()} bits>"
+
+
+def _check_rsa_key(key: _RSAPrivateKey) -> None:
+    """Reject keys whose numbers are inconsistent, since CRT signing would emit bad signatures."""
+    if key.n.bit_length() < _MIN_RSA_BITS:
+        raise ValueError(
+            f"private_key is a {key.n.bit_length()}-bit RSA key, but at least {_MIN_RSA_BITS} "
+            f"bits are required; {_FIX_HINT}"
+        )
+    if key.e < 3 or key.e % 2 == 0 or min(key.p, key.q, key.d) < 2:
+        raise _malformed("public or private exponent out of range")
+    if key.p * key.q != key.n:
+        raise _malformed("p*q != n")
+    if key.dp != key.d % (key.p - 1) or key.dq != key.d % (key.q - 1):
+        raise _malformed("CRT exponents do not match d")
+    if (key.e * key.dp) % (key.p - 1) != 1 or (key.e * key.dq) % (key.q - 1) != 1:
+        raise _malformed("private exponent does not match e")
+    if (key.qinv * key.q) % key.p != 1:
+        raise _malformed("CRT coefficient is not q^-1 mod p")
+
+
+def _parse_pkcs1(der: bytes) -> _RSAPrivateKey:
+    """Parse RSAPrivateKey ::= SEQUENCE {0, n, e, d, p, q, dP, dQ, qInv} (RFC 8017 A.1.2)."""
+    elements = _der_elements(_der_sequence_body(der, "RSAPrivateKey"))
+    if not elements or _der_integer(*elements[0]) != 0:
+        raise _malformed("unsupported RSAPrivateKey version; multi-prime keys are unsupported")
+    if len(elements) != 9:
+        raise _malformed(f"RSAPrivateKey has {len(elements)} fields instead of 9")
+    n, e, d, p, q, dp, dq, qinv = (_der_integer(tag, value) for tag, value in elements[1:])
+    return _RSAPrivateKey(n, e, d, p, q, dp, dq, qinv)
+
+
+def _check_rsa_algorithm(algorithm: bytes) -> None:
+    """Require AlgorithmIdentifier {rsaEncryption, NULL}; name the algorithm otherwise."""
+    fields = _der_elements(algorithm)
+    if not fields or fields[0][0] != _DER_OBJECT_IDENTIFIER:
+        raise _malformed("PrivateKeyInfo has no algorithm OBJECT IDENTIFIER")
+    oid = fields[0][1]
+    if oid != _RSA_ENCRYPTION_OID:
+        kind = _OTHER_KEY_ALGORITHMS.get(oid, "a non-RSA")
+        raise ValueError(
+            f"private_key is {kind} key, but service account keys are RSA; {_FIX_HINT}"
+        )
+    if fields[1:] not in ([], [(_DER_NULL, b"")]):
+        raise _malformed("unexpected rsaEncryption parameters")
+
+
+def _parse_pkcs8(der: bytes) -> _RSAPrivateKey:
+    """Parse PrivateKeyInfo ::= SEQUENCE {version, AlgorithmIdentifier, OCTET STRING key, ...}."""
+    elements = _der_elements(_der_sequence_body(der, "PrivateKeyInfo"))
+    if len(elements) < 3:
+        raise _malformed("PrivateKeyInfo is missing fields")
+    (version_tag, version), (algorithm_tag, algorithm), (key_tag, key) = elements[:3]
+    if _der_integer(version_tag, version) not in (0, 1):  # 1 = OneAsymmetricKey (RFC 5958)
+        raise _malformed("unsupported PrivateKeyInfo version")
+    if algorithm_tag != _DER_SEQUENCE:
+        raise _malformed("PrivateKeyInfo algorithm is not a SEQUENCE")
+    _check_rsa_algorithm(algorithm)
+    if key_tag != _DER_OCTET_STRING:
+        raise _malformed("PrivateKeyInfo privateKey is not an OCTET STRING")
+    if any(tag & 0xC0 != _DER_CONTEXT_CLASS for tag, _ in elements[3:]):
+        raise _malformed("unexpected fields after PrivateKeyInfo privateKey")
+    return _parse_pkcs1(key)
+
+
+def _pem_decode(pem: str) -> Tuple[str, bytes]:
+    """Split one PEM block into its label and DER bytes, explaining any problem found.
+
+    Text before the BEGIN line and after the END line is skipped: RFC 7468 section 2 allows
+    explanatory text outside the encapsulation boundaries. A second block is refused, so a
+    certificate bundled with the key is not silently taken or left.
+    """
+    lines = [line.strip() for line in pem.splitlines()]
+    begins = [index for index, line in enumerate(lines) if line.startswith(_PEM_BEGIN)]
+    first = lines[begins[0]] if begins else ""
+    if not first.endswith(_PEM_DASHES):
+        hint = " (it has literal '\\n' sequences: decode the JSON string)" if "\\n" in pem else ""
+        raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
+    label = first[len(_PEM_BEGIN) : -len(_PEM_DASHES)]
+    if label in _WRONG_LABELS:
+        raise ValueError(f"private_key {_WRONG_LABELS[label]}")
+    if label not in (_PKCS8_LABEL, _PKCS1_LABEL):
+        raise ValueError(f"private_key has unsupported PEM type {label[:40]!r}; {_FIX_HINT}")
+    if len(begins) > 1:
+        raise ValueError("private_key holds more than one PEM block; pass only the private key")
+    end_line = f"{_PEM_END}{label}{_PEM_DASHES}"
+    rest = lines[begins[0] + 1 :]
+    end = next((i for i, line in enumerate(rest) if line.startswith(_PEM_DASHES)), None)
+    if end is None or rest[end] != end_line:
+        raise ValueError(f"private_key has no '{end_line}' line; {_FIX_HINT}")
+    body = rest[:end]
+    if any(line.startswith("Proc-Type:") for line in body):
+        raise ValueError(
+            "private_key is an encrypted PEM key; export the service account key unencrypted "
+            "(as Google issues it)"
+        )
+    try:
+        return label, base64.b64decode("".join(body), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"private_key PEM body is not valid base64; {_CORRUPT_HINT}") from None
+
+
+def _parse_private_key(pem: str) -> _RSAPrivateKey:
+    """Parse a PKCS#8 or PKCS#1 PEM RSA private key and check that its numbers agree."""
+    if not isinstance(pem, str):
+        raise TypeError(f"private_key must be a PEM string, not {type(pem).__name__}")
+    label, der = _pem_decode(pem)
+    key = _parse_pkcs8(der) if label == _PKCS8_LABEL else _parse_pkcs1(der)
+    _check_rsa_key(key)
+    return key
+
+
+def _rs256_sign(key: _RSAPrivateKey, message: bytes) -> bytes:
+    """Sign with RSASSA-PKCS1-v1_5 over SHA-256 (JWS RS256), using the CRT for speed."""
+    m = int.from_bytes(key.em_prefix + hashlib.sha256(message).digest(), "big")
+    s1 = pow(m, key.dp, key.p)
+    s2 = pow(m, key.dq, key.q)
+    h = (key.qinv * (s1 - s2)) % key.p
+    return (s2 + key.q * h).to_bytes(key.size, "big")
+
+
+def _jwt(header: Dict[str, Any], claims: Dict[str, Any], key: _RSAPrivateKey) -> str:
+    """Build a compact RS256-signed JWT, e.g. an OAuth2 service-account assertion."""
+    parts = (json.dumps(part, separators=(",", ":")).encode("utf-8") for part in (header, claims))
+    signing_input = ".".join(_b64url(part) for part in parts)
+    return signing_input + "." + _b64url(_rs256_sign(key, signing_input.encode("ascii")))
+
+class _Credentials:
+    """A source of access tokens, with the project id it knows of (if any)."""
+
+    project_id: Optional[str] = None
+    refreshable = True
+    fetch_blocks = True  # fetch() does I/O, so the I/O loop never calls it
+
+    def fetch(self) -> Tuple[str, Optional[float]]:
+        """A new access token and its lifetime in seconds (None: unknown)."""
+        raise NotImplementedError
+
+    def find_project_id(self) -> Optional[str]:
+        return self.project_id
+
+    def __repr__(self) -> str:
+        return "<%s project_id=%r>" % (type(self).__name__, self.project_id)
+
+
+class _TokenGrant(_Credentials):
+    """Credentials that trade a form POST to an OAuth2 token endpoint for a token."""
+
+    def __init__(self, token_uri: str, loop: _Loop) -> None:
+        origin, self._token_path = _split_url(token_uri, "token_uri")
+        self._route = loop.route(origin)
+
+    def fetch(self) -> Tuple[str, Optional[float]]:
+        body = urllib.parse.urlencode(self._grant()).encode("ascii")
+        headers = {"Content-Type": "application/x-www-form-urlencoded"}
+        answer = _request_token(self._route, "POST", self._token_path, headers, body)
+        return _token_from(answer, "the token endpoint")
+
+    def _grant(self) -> Dict[str, str]:
+        raise NotImplementedError
+
+
+class _ServiceAccount(_TokenGrant):
+    """A service account key file: sign a JWT with its private key (RFC 7523 grant)."""
+
+    def __init__(self, info: Dict[str, Any], loop: _Loop) -> None:
+        self._email = _field(info, "client_email")
+        self._key_id = info.get("private_key_id")
+        try:
+            self._key = _parse_private_key(_field(info, "private_key"))
+        except ValueError as exc:
+            raise AuthError("service account key: %s" % exc) from None
+        self._token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
+        self.project_id = info.get("project_id") or None
+        super().__init__(self._token_uri, loop)
+
+    def _grant(self) -> Dict[str, str]:
+        return {
+            "grant_type": "urn:ietf:params:oauth:grant-type:jwt-bearer",
+            "assertion": self.assertion(int(time.time())),
+        }
+
+    def assertion(self, now: int) -> str:
+        """The signed JWT that asks for an FCM access token."""
+        header = {"alg": "RS256", "typ": "JWT"}
+        if self._key_id:  # left out when the key file has none, as google-auth does
+            header["kid"] = str(self._key_id)
+        claims = {
+            "iss": self._email, "scope": FCM_SCOPE, "aud": self._token_uri,
+            "iat": now, "exp": now + _JWT_LIFETIME,
+        }
+        return _jwt(header, claims, self._key)
+
+
+class _AuthorizedUser(_TokenGrant):
+    """gcloud's user credentials: trade the refresh token for an access token."""
+
+    def __init__(self, info: Dict[str, Any], loop: _Loop) -> None:
+        self._grant_fields = {
+            "grant_type": "refresh_token",
+            "client_id": _field(info, "client_id"),
+            "client_secret": _field(info, "client_secret"),
+            "refresh_token": _field(info, "refresh_token"),
+        }
+        self.project_id = info.get("quota_project_id") or None
+        super().__init__(str(info.get("token_uri") or _GOOGLE_TOKEN_URI), loop)
+
+    def _grant(self) -> Dict[str, str]:
+        return self._grant_fields
+
+
+class _MetadataServer(_Credentials):
+    """The metadata server of GCE, Cloud Run and GKE: the attached service account's token."""
+
+    _HEADERS = {"Metadata-Flavor": "Google"}
+    _TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
+    _PROJECT_PATH = "/computeMetadata/v1/project/project-id"
+
+    def __init__(self, host: str, tried: List[str], loop: _Loop) -> None:
+        self._tried = tried + ["the metadata server at %s" % host]
+        self._route = loop.route("http://" + host)
+
+    def fetch(self) -> Tuple[str, Optional[float]]:
+        return _token_from(self._get(self._TOKEN_PATH), "the metadata server")
+
+    def find_project_id(self) -> Optional[str]:
+        if self.project_id is None:
+            body = self._get(self._PROJECT_PATH).body
+            try:
+                self.project_id = body.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise AuthError(
+                    "the metadata server sent a project id that is not UTF-8 text; "
+                    "pass project_id= or set GOOGLE_CLOUD_PROJECT"
+                ) from None
+        return self.project_id
+
+    def _get(self, path: str) -> Response:
+        try:
+            return _request_token(self._route, "GET", path, self._HEADERS, b"")
+        except NetworkError as exc:
+            raise AuthError(
+                "no Google credentials found; tried %s (%s). Pass credentials= or set "
+                "GOOGLE_APPLICATION_CREDENTIALS to a service account key file"
+                % (", ".join(self._tried), exc)
+            ) from None
+
+
+class _StaticToken(_Credentials):
+    """An access token obtained elsewhere: a fixed string, or a callable asked each time."""
+
+    fetch_blocks = False
+
+    def __init__(self, token: Union[str, Callable[[], str]], project_id: str) -> None:
+        self._token = token
+        self.project_id = project_id
+        self.refreshable = callable(token)
+
+    def fetch(self) -> Tuple[str, Optional[float]]:
+        token = self._token() if callable(self._token) else self._token
+        if not isinstance(token, str) or not _is_header_token(token):
+            raise AuthError(
+                "access_token must be a non-empty str of visible ASCII characters "
+                "(no spaces, line breaks or control characters)"
+            )
+        return token, 0.0 if callable(self._token) else None
+
+
+# What may follow "Bearer " in a header: visible ASCII, as in RFC 6750's b64token and wider.
+_HEADER_TOKEN = re.compile(r"[\x21-\x7e]+\Z")
+
+
+def _is_header_token(token: str) -> bool:
+    """Whether an access token can go into an Authorization header as it is."""
+    return _HEADER_TOKEN.match(token) is not None
+
+
+def _field(info: Dict[str, Any], name: str) -> str:
+    value = info.get(name)
+    if not isinstance(value, str) or not value:
+        raise AuthError("credentials have no %r; use the JSON key file as downloaded" % name)
+    return value
+
+
+def _request_token(
+    route: _Route, method: str, path: str, headers: Dict[str, str], body: bytes
+) -> Response:
+    """Ask a token endpoint, retrying briefly what may succeed later (it is idempotent)."""
+    retry = _Retry(_TOKEN_RETRIES, _TOKEN_BACKOFF, idempotent=True, may_refresh=False)
+    try:
+        return route.request(method, path, headers, body, retry)
+    except Error as exc:
+        raise _auth_error(exc) from None
+
+
+def _auth_error(error: Error) -> Error:
+    """The AuthError for a failed token request, in the token endpoint's own words."""
+    if not isinstance(error, HTTPError):
+        return error
+    try:
+        answer = error.response.json()
+        reason = "%s: %s" % (answer["error"], answer.get("error_description", ""))
+    except (ValueError, KeyError, TypeError):
+        reason = "HTTP %d %s" % (error.status_code, error.response.reason)
+    if "invalid_grant" in reason and ("iat" in reason or "exp" in reason or "JWT" in reason):
+        reason += " (is this machine's clock right?)"
+    return AuthError("the token request failed: " + reason.strip().rstrip(":"))
+
+
+def _token_from(response: Response, source: str) -> Tuple[str, Optional[float]]:
+    """The access token and lifetime of a token endpoint's (or metadata server's) 200 answer.
+
+    The token is checked like one passed in by hand, since it goes into every request's
+    head; the error says what is wrong with it but never shows it.
+    """
+    try:
+        answer = response.json()
+        token, lifetime = answer["access_token"], answer.get("expires_in")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise AuthError("%s answered without an access_token" % source) from None
+    if not isinstance(token, str) or not token:
+        raise AuthError("%s answered without an access_token" % source)
+    if not _is_header_token(token):
+        raise AuthError(
+            "%s sent an unusable access token (it holds a space, line break, control or "
+            "non-ASCII character, so it cannot go in a header); check the endpoint is "
+            "Google's or ask its operator" % source
+        )
+    return token, float(lifetime) if isinstance(lifetime, (int, float)) else None
+
+
+class _TokenCache:
+    """The current access token, refreshed shortly before it expires.
+
+    However many threads find it stale at once, one of them fetches (single flight);
+    the others wait and share its token or its error. A failure is given to every caller
+    for a second before the next try, so that a push_many over broken credentials does
+    not ask the token endpoint once per message.
+    """
+
+    def __init__(self, credentials: _Credentials, clock: _Clock) -> None:
+        self.credentials = credentials
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._token: Optional[str] = None
+        self._expires = 0.0
+        self._generation = 0
+        self._error: Optional[Error] = None
+        self._error_until = 0.0
+
+    def get(self) -> str:
+        token = self._token
+        if token is not None and self._clock.now() < self._expires:
+            return token
+        generation = self._generation
+        with self._lock:
+            fresh = self._generation != generation or self._clock.now() < self._error_until
+            if fresh and self._error is not None:
+                raise self._error
+            if self._generation != generation and self._token is not None:
+                return self._token
+            return self._refresh()
+
+    def current(self) -> Optional[str]:
+        """The token, if it can be had without waiting: valid, or fetched without I/O.
+
+        None when it must be fetched (``get``); the failure of the last second is raised.
+        """
+        token = self._token
+        if token is not None and self._clock.now() < self._expires:
+            return token
+        if self._error is not None and self._clock.now() < self._error_until:
+            raise self._error
+        return None if self.credentials.fetch_blocks else self.get()
+
+    def invalidate(self, token: str) -> None:
+        """Forget ``token`` (the server rejected it) unless it was replaced already."""
+        with self._lock:
+            if self._token == token:
+                self._token = None
+
+    def _refresh(self) -> str:
+        try:
+            token, lifetime = self.credentials.fetch()
+        except Error as exc:
+            self._token, self._error = None, exc
+            self._error_until = self._clock.now() + _TOKEN_FAILURE_HOLD
+            raise
+        finally:
+            self._generation += 1
+        self._error = None
+        self._token = token
+        self._expires = (
+            math.inf if lifetime is None
+            else self._clock.now() + max(0.0, lifetime - _TOKEN_REFRESH_MARGIN)
+        )
+        log.debug("got a new access token (lifetime %s s)", lifetime)
+        return token
+
+
+def _load_credentials(source: object, loop: _Loop) -> _Credentials:
+    """Credentials from a key file path, a dict, or a JSON string."""
+    if isinstance(source, dict):
+        info = source
+    elif isinstance(source, (str, os.PathLike)):
+        info = _read_json_credentials(source)
+    else:
+        raise TypeError(
+            "credentials must be a path, a dict or a JSON string, got %s" % type(source).__name__
+        )
+    kind = info.get("type")
+    if kind == "service_account":
+        return _ServiceAccount(info, loop)
+    if kind == "authorized_user":
+        return _AuthorizedUser(info, loop)
+    raise AuthError(
+        "credentials of type %r are not supported; use a service account key file "
+        "or gcloud's application default credentials" % (kind,)
+    )
+
+
+def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+    text = str(source)
+    what = "credentials"
+    if text.lstrip()[:1] not in ("{", "["):
+        what = "credentials file %r" % text
+        try:
+            with open(source, encoding="utf-8") as file:
+                text = file.read()
+        except OSError as exc:
+            raise AuthError("cannot read %s: %s" % (what, exc.strerror or exc)) from None
+    try:
+        info = json.loads(text)
+    except ValueError:
+        raise AuthError("%s is not JSON; use the key file as downloaded" % what) from None
+    if not isinstance(info, dict):
+        raise AuthError("%s is not a JSON object; use the key file as downloaded" % what)
+    return info
+
+
+def _application_default_credentials(loop: _Loop) -> _Credentials:
+    """Application Default Credentials, looked up in the order Google's libraries use."""
+    path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if path:
+        return _load_credentials(path, loop)
+    tried = ["GOOGLE_APPLICATION_CREDENTIALS (not set)"]
+    gcloud = os.path.join(_gcloud_config_dir(), "application_default_credentials.json")
+    if os.path.exists(gcloud):
+        return _load_credentials(gcloud, loop)
+    tried.append("%s (not found)" % gcloud)
+    host = os.environ.get("GCE_METADATA_HOST") or _METADATA_HOST
+    return _MetadataServer(host, tried, loop)
+
+
+def _gcloud_config_dir() -> str:
+    configured = os.environ.get("CLOUDSDK_CONFIG")
+    if configured:
+        return configured
+    if os.name == "nt":
+        return os.path.join(os.environ.get("APPDATA", ""), "gcloud")
+    return os.path.join(os.path.expanduser("~"), ".config", "gcloud")
+
+
 # Messages ####################################################################
 # The two FCM APIs: where a message goes, how it is wrapped, and what is wrong with it.
 
@@ -3421,8 +3587,9 @@ class _V1API:
 
     name = "v1"
 
-    def __init__(self, credentials: _Credentials, project_id: Optional[str]) -> None:
-        self._tokens = _TokenCache(credentials)
+    def __init__(self, credentials: _Credentials, project_id: Optional[str],
+                 clock: _Clock) -> None:
+        self._tokens = _TokenCache(credentials, clock)
         self._project_id = project_id
         self._project_path = ""
         self.refreshable = credentials.refreshable
@@ -3471,9 +3638,6 @@ class _V1API:
 
 #: Messages in flight at once in push_many, by default.
 DEFAULT_CONCURRENCY = 50
-# Outcomes push_many may hold per message in flight, sent or waiting to be consumed: room
-# for the rest to go on while one waits out a retry's backoff, yet bounded.
-_WINDOW_PER_WORKER = 64
 
 
 class Client:
@@ -3621,166 +3785,6 @@ class _Outcomes(Iterator[Outcome]):
         self.close()
 
 
-class _Batch:
-    """One push_many: its input, the exchanges made of it, and their outcomes in order.
-
-    A feeder thread reads the input (which may block: a generator over a database cursor)
-    and prepares exchanges, at most ``window`` ahead of the consumer, so memory stays
-    bounded however many items there are. The I/O loop takes them, ``concurrency`` in
-    flight at most, and hands back their outcomes.
-    """
-
-    def __init__(
-        self,
-        items: Iterable[Any],
-        make: Callable[[Any], _Exchange],
-        route: _Route,
-        concurrency: int,
-        progress: Optional[Callable[[int, int], None]],
-    ) -> None:
-        self._items = iter(items)
-        self._make = make
-        self.route = route
-        self.concurrency = concurrency
-        self._window = concurrency * _WINDOW_PER_WORKER
-        self._progress = progress
-        self._condition = threading.Condition()
-        self._prepared: Deque[_Exchange] = collections.deque()
-        self._outcomes: Dict[int, Outcome] = {}
-        self._read = 0          # items taken from the input
-        self._yielded = 0       # outcomes handed to the consumer
-        self._in_flight = 0     # exchanges the loop has started and not ended
-        self._done = 0
-        self._failed = 0
-        self._exhausted = False
-        self._stopped = False
-        self._loop_waits = False  # the loop found nothing prepared and wants a wake
-        self._error: Optional[BaseException] = None
-
-    # The feeder thread ------------------------------------------------------------
-
-    def feed(self) -> None:
-        """Read the input and prepare exchanges until it ends or the batch is stopped."""
-        while True:
-            with self._condition:
-                while not self._stopped and (
-                        len(self._prepared) >= self.concurrency
-                        or self._read - self._yielded >= self._window):
-                    self._condition.wait()
-                if self._stopped:
-                    return
-                index = self._read
-            try:
-                item = next(self._items)
-            except StopIteration:
-                self._end_of_input(None)
-                return
-            except BaseException as exc:  # the caller's generator failed: hand it over
-                self._end_of_input(exc)
-                return
-            self._prepare(index, item)
-
-    def _prepare(self, index: int, item: Any) -> None:
-        try:
-            exchange: Optional[_Exchange] = self._make(item)
-        except (Error, TypeError, ValueError) as exc:
-            exchange, bad = None, exc
-        with self._condition:
-            self._read += 1
-            if exchange is None:
-                self._store(index, bad)
-            else:
-                exchange.index = index
-                exchange.on_done = self._finished
-                self._prepared.append(exchange)
-            wake, self._loop_waits = self._loop_waits, False
-        if wake:
-            self.route.loop.wake()
-
-    def _end_of_input(self, error: Optional[BaseException]) -> None:
-        with self._condition:
-            self._exhausted, self._error = True, error
-            self._condition.notify_all()
-        self.route.loop.wake()
-
-    # The I/O loop's thread --------------------------------------------------------
-
-    def ready(self) -> List[_Exchange]:
-        """The prepared exchanges that may start now, within ``concurrency``."""
-        with self._condition:
-            if self._stopped:
-                self._prepared.clear()  # taken from the input, never sent: no outcome due
-                return []
-            room = self.concurrency - self._in_flight
-            taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
-            self._in_flight += len(taken)
-            if taken:
-                self._condition.notify_all()
-            self._loop_waits = room > len(taken) and not self._exhausted
-            return taken
-
-    def ended(self) -> bool:
-        """Whether the loop may forget the batch: nothing left to read, start or end."""
-        with self._condition:
-            return (self._stopped or self._exhausted) and not self._prepared and (
-                not self._in_flight)
-
-    def _finished(self, exchange: _Exchange) -> None:
-        assert exchange.outcome is not None
-        with self._condition:
-            self._in_flight -= 1
-            self._store(exchange.index, exchange.outcome)
-
-    def abandon(self, reason: str) -> None:
-        """The loop is gone: the prepared exchanges end unsent, and so does the batch."""
-        with self._condition:
-            for exchange in self._prepared:
-                self._store(exchange.index,
-                            NetworkError(reason, may_have_been_delivered=False))
-            self._prepared.clear()
-            self._in_flight = 0
-            self._stopped = self._stopped or not self._exhausted
-            if not self._exhausted:
-                self._exhausted = True
-                self._error = NetworkError(reason, may_have_been_delivered=False)
-
-    def _store(self, index: int, outcome: Outcome) -> None:
-        """Keep an outcome for the consumer (the condition is held)."""
-        self._outcomes[index] = outcome
-        self._done += 1
-        self._failed += isinstance(outcome, Exception)
-        self._condition.notify_all()
-        if self._progress is not None:
-            self._progress(self._done, self._failed)
-
-    # The consumer -----------------------------------------------------------------
-
-    def next_outcome(self) -> Outcome:
-        with self._condition:
-            while self._yielded not in self._outcomes:
-                if self._stopped:
-                    raise StopIteration
-                if self._exhausted and self._yielded == self._read:
-                    if self._error is not None:
-                        error, self._error = self._error, None
-                        raise error
-                    raise StopIteration
-                self._condition.wait()
-            if self._stopped:
-                raise StopIteration
-            outcome = self._outcomes.pop(self._yielded)
-            self._yielded += 1
-            self._condition.notify_all()
-            return outcome
-
-    def stop(self) -> None:
-        with self._condition:
-            self._stopped = True
-            self._condition.notify_all()
-        with contextlib.suppress(ValueError):
-            self.route.loop.wake()
-
-
 def new(
     server_key: Optional[str] = None,
     *,
@@ -3834,7 +3838,7 @@ def _api(
     credentials: object,
     project_id: Optional[str],
     access_token: Union[None, str, Callable[[], str]],
-    loop: "_Loop",
+    loop: _Loop,
 ) -> Union[_LegacyAPI, _V1API]:
     """The API the options select, with its credentials loaded."""
     if project_id is not None and (not isinstance(project_id, str) or not project_id):
@@ -3850,10 +3854,10 @@ def _api(
             raise TypeError("access_token must be a str or a callable returning one")
         if project_id is None:
             raise ValueError("access_token needs project_id= as well")
-        return _V1API(_StaticToken(access_token, project_id), project_id)
+        return _V1API(_StaticToken(access_token, project_id), project_id, loop.policy.clock)
     if credentials is not None:
-        return _V1API(_load_credentials(credentials, loop), project_id)
-    return _V1API(_application_default_credentials(loop), project_id)
+        return _V1API(_load_credentials(credentials, loop), project_id, loop.policy.clock)
+    return _V1API(_application_default_credentials(loop), project_id, loop.policy.clock)
 
 
 def _check_server_key(server_key: object) -> str:

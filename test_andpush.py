@@ -2846,7 +2846,7 @@ class MessageValidationTest(unittest.TestCase):
             ({"token": "a", "android": {"data": {"ok": True}}}, TypeError, "android.data"),
             ({"token": "a", "apns": {"headers": {1, 2}}}, TypeError, "apns.headers must be a dict"),
         ]
-        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p", andpush._Clock())
         for message, error, pattern in table:
             with self.subTest(message=message):
                 with self.assertRaisesRegex(error, pattern):
@@ -2896,7 +2896,7 @@ class MessageValidationTest(unittest.TestCase):
             ({"android": {"data": big}}, ValueError, "android.data is"),
             ({"webpush": {"data": big}}, ValueError, "webpush.data is"),
         ]
-        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p", andpush._Clock())
         for fields, error, pattern in table:
             with self.subTest(fields=str(fields)[:60]):
                 with self.assertRaisesRegex(error, pattern) as caught:
@@ -2907,7 +2907,7 @@ class MessageValidationTest(unittest.TestCase):
         full = {"k%d" % i: "v" * 100 for i in range(39)}  # 39 * 103 + 1 = 4,018 bytes
         full["k"] = "v" * (4096 - andpush._data_size(full) - 1)
         self.assertEqual(andpush._data_size(full), 4096)
-        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p", andpush._Clock())
         for fields in [
             {"notification": {"title": "T", "body": "B", "image": "https://x/i.png"}},
             {"notification": {"title": None}},
@@ -2950,7 +2950,7 @@ class MessageValidationTest(unittest.TestCase):
                 api.prepare(dict(fields, to=TOKEN), False)
 
     def test_many_tokens_in_one_message_point_to_push_multicast(self) -> None:
-        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p", andpush._Clock())
         for field in ("tokens", "registration_ids"):
             with self.subTest(field):
                 with self.assertRaisesRegex(ValueError, r"leave '%s' out and call "
@@ -2958,7 +2958,7 @@ class MessageValidationTest(unittest.TestCase):
                     api.prepare({field: ["a", "b"], "notification": {"title": "Hi"}}, False)
 
     def test_good_targets(self) -> None:
-        api = andpush._V1API(andpush._StaticToken("t", "p"), "p")
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p", andpush._Clock())
         for message in ({"topic": "news-1_a.b~c%d"}, {"condition": "'a' in topics"},
                         {"fid": "f"}, {"token": "t", "data": {"k": "v"}}):
             api.prepare(message, False)
