@@ -277,9 +277,19 @@ def _error_code(response: "Response") -> Optional[str]:
     return status if isinstance(status, str) and status in _CANONICAL_STATUSES else None
 
 
+def _phrase(status: int) -> str:
+    """The standard reason phrase of ``status`` (HTTP/2 answers carry none)."""
+    import http  # only an error message needs it: loaded on first use, not on import
+
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
 def _describe(response: "Response", error_code: Optional[str]) -> str:
     """A one-line message for an HTTPError: status, code and the server's explanation."""
-    text = "HTTP %d %s" % (response.status_code, response.reason)
+    text = "HTTP %d %s" % (response.status_code, response.reason or _phrase(response.status_code))
     if error_code:
         text += " (%s)" % error_code
     message = _error_envelope(response).get("message")
@@ -411,7 +421,7 @@ class Response:
 
     Attributes:
         status_code: the HTTP status, e.g. 200.
-        reason: the reason phrase, e.g. ``"OK"`` (over HTTP/2, the standard one for the status).
+        reason: the reason phrase, e.g. ``"OK"`` (empty over HTTP/2, which has none).
         headers: the Headers, looked up case-insensitively.
         body: the body, as bytes; ``text`` decodes it and ``json()`` parses it.
 
@@ -614,7 +624,7 @@ class _Exchange:
 
     __slots__ = ("route", "method", "path", "headers", "body", "signer", "retry", "paced",
                  "signed", "token", "resends", "outcome", "on_done", "index", "tokens",
-                 "link", "deadline")
+                 "link", "timeout", "deadline")
 
     def __init__(self, route: "_Route", method: str, path: str, body: bytes, retry: _Retry,
                  *, signer: Optional[_Headers] = None, headers: Optional[Dict[str, str]] = None,
@@ -635,6 +645,7 @@ class _Exchange:
         self.index = 0                       # its place in a push_many
         self.tokens: Tuple[str, ...] = ()    # the device tokens of a legacy push
         self.link: Optional[object] = None   # the connection carrying the current attempt
+        self.timeout = 0.0                   # seconds to wait for an answer (0: the client's)
         self.deadline = 0.0
 
 
@@ -655,13 +666,21 @@ class _Policy:
         self.clock = clock
         self._interval = 1.0 / rate_limit if rate_limit else 0.0
         self._paused_until = 0.0
+        self._pause_cause: Optional[Response] = None  # the 429 that started the pause
         self._next_slot = 0.0
 
-    def start_at(self, exchange: _Exchange) -> float:
-        """The clock time at which ``exchange`` may be sent; it claims a rate_limit slot."""
-        now = self.clock.now()
+    def start_at(self, exchange: _Exchange, now: float) -> Optional[float]:
+        """The clock time at which ``exchange`` may be sent; it claims a rate_limit slot.
+
+        None when it ends unsent instead: the client is paused after a 429 and the
+        exchange has no retry left to wait with (``max_retries=0`` never sleeps).
+        """
         if not exchange.paced:
             return now
+        if self._paused_until > now and exchange.retry.retries == 0:
+            assert self._pause_cause is not None
+            exchange.outcome = _paused(self._pause_cause, self._paused_until - now)
+            return None
         start = max(now, self._paused_until, self._next_slot)
         if self._interval:
             self._next_slot = start + self._interval
@@ -690,7 +709,7 @@ class _Policy:
             error = NetworkError("the exchange failed: %s" % _reason(result),
                                  may_have_been_delivered=True)
         if isinstance(error, QuotaExceededError) and exchange.paced:
-            self._pause(_quota_wait(error))
+            self._pause(_quota_wait(error), error.response)
         step = exchange.retry.after(error)
         if step is None:
             exchange.outcome = error
@@ -701,9 +720,21 @@ class _Policy:
         log.info("retrying in %.2f s after: %s", wait, error)
         return wait
 
-    def _pause(self, seconds: float) -> None:
+    def _pause(self, seconds: float, cause: Response) -> None:
         """Hold every paced send of this client for ``seconds``: the project is over quota."""
-        self._paused_until = max(self._paused_until, self.clock.now() + seconds)
+        until = self.clock.now() + seconds
+        if until > self._paused_until:
+            log.warning("FCM answered 429 (over quota): every send waits %.3g s", seconds)
+            self._paused_until, self._pause_cause = until, cause
+
+
+def _paused(cause: Response, remaining: float) -> QuotaExceededError:
+    """The error of a send not made because the client is paused after ``cause``, a 429."""
+    error = QuotaExceededError(cause)
+    error.retry_after = remaining
+    error.args = ("not sent: the client waits %.3g s more after FCM's 429 (%s)"
+                  % (remaining, error),)
+    return error
 
 
 def _reason(exc: BaseException) -> str:
@@ -1354,6 +1385,7 @@ class _H2Connection:
         self._peer_frame = _H2_FRAME
         self._received_unacknowledged = 0
         self.last_stream_id = _H2_LAST_STREAM   # lowered by GOAWAY
+        self._earliest = math.inf               # no stream's deadline is before this
 
     @property
     def free_streams(self) -> int:
@@ -1377,6 +1409,7 @@ class _H2Connection:
         self._queue_headers(stream.id, self._header_block_for(method, path, headers, len(body)),
                             end_stream=not body)
         self.streams[stream.id] = stream
+        self._earliest = min(self._earliest, deadline)
         stream.pending = body
         self._send_data(stream)
         return stream.id
@@ -1617,15 +1650,16 @@ class _H2Connection:
 
     def expire(self, now: float) -> None:
         """End the streams whose deadline (driver time, as given to ``start``) has passed."""
-        while self.streams:
-            oldest = next(iter(self.streams.values()))  # deadlines grow in the order started
-            if oldest.deadline > now:
-                break
-            self._reset(oldest, NetworkError(
+        if now < self._earliest:
+            return
+        for stream in [s for s in self.streams.values() if s.deadline <= now]:
+            self._reset(stream, NetworkError(
                 "no answer within the read timeout", may_have_been_delivered=True))
+        self._earliest = min([s.deadline for s in self.streams.values()] + [math.inf])
 
     def next_deadline(self) -> float:
-        return next(iter(self.streams.values())).deadline if self.streams else math.inf
+        """When ``expire`` may next have something to do (perhaps earlier)."""
+        return self._earliest
 
     def ping(self) -> None:
         """Ask the server for a sign of life (the driver decides when, sparingly)."""
@@ -2076,8 +2110,11 @@ class _Loop:
     def _feed_batches(self) -> None:
         """Start what the push_many batches have prepared, each within its concurrency."""
         for batch in list(self._batches):
-            for exchange in batch.ready():
-                self._begin(exchange)
+            ready = batch.ready()
+            while ready:  # again: an exchange may end at once (a token error) and make room
+                for exchange in ready:
+                    self._begin(exchange)
+                ready = batch.ready()
             if batch.ended():
                 self._batches.remove(batch)
                 batch.route.limit -= batch.concurrency
@@ -2090,8 +2127,10 @@ class _Loop:
         """Start ``exchange`` at the moment the policy gives it (now, or a timer)."""
         clock = self.policy.clock
         now = clock.now()
-        start = self.policy.start_at(exchange)
-        if start > now:
+        start = self.policy.start_at(exchange, now)
+        if start is None:
+            exchange.on_done(exchange)
+        elif start > now:
             self._after(clock.delay(start - now), self._enqueue, exchange)
         else:
             self._enqueue(exchange)
@@ -2242,7 +2281,7 @@ class _Loop:
 
     def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str]) -> None:
         exchange.link = link
-        exchange.deadline = self.policy.clock.now() + self._read_timeout
+        exchange.deadline = self.policy.clock.now() + (exchange.timeout or self._read_timeout)
         if isinstance(link, _H2Link):
             link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
                             exchange.deadline)
@@ -2478,7 +2517,7 @@ class _Loop:
             due.extend(h1.exchange.deadline for h1 in route.busy if h1.exchange)
             due.extend(h1.idle_since + self._keep_alive_timeout for h1 in route.idle)
         if not due:
-            return None
+            return 0.0 if self._is_idle() else None  # idle: the next turn ends the thread
         return max(0.0, min(due) - now + 0.001)
 
     # Ending -------------------------------------------------------------------------
@@ -2551,6 +2590,7 @@ class _Batch:
         self._exhausted = False
         self._stopped = False
         self._loop_waits = False  # the loop found nothing prepared and wants a wake
+        self._abandoned = ""      # why the loop gave the batch up, if it did
         self._error: Optional[BaseException] = None
 
     # The feeder thread ------------------------------------------------------------
@@ -2559,11 +2599,11 @@ class _Batch:
         """Read the input and prepare exchanges until it ends or the batch is stopped."""
         while True:
             with self._condition:
-                while not self._stopped and (
+                while not self._stopped and not self._abandoned and (
                         len(self._prepared) >= self.concurrency
                         or self._read - self._yielded >= self._window):
                     self._condition.wait()
-                if self._stopped:
+                if self._stopped or self._abandoned:
                     return
                 index = self._read
             try:
@@ -2585,6 +2625,8 @@ class _Batch:
             self._read += 1
             if exchange is None:
                 self._store(index, bad)
+            elif self._abandoned:  # taken while the loop went away: it goes no further
+                self._store(index, NetworkError(self._abandoned, may_have_been_delivered=False))
             else:
                 exchange.index = index
                 exchange.on_done = self._finished
@@ -2612,7 +2654,7 @@ class _Batch:
             self._in_flight += len(taken)
             if taken:
                 self._condition.notify_all()
-            self._loop_waits = room > len(taken) and not self._exhausted
+            self._note_room()
             return taken
 
     def ended(self) -> bool:
@@ -2626,19 +2668,28 @@ class _Batch:
         with self._condition:
             self._in_flight -= 1
             self._store(exchange.index, exchange.outcome)
+            self._note_room()
+
+    def _note_room(self) -> None:
+        """Whether the loop, with room and nothing prepared, waits for the feeder's wake
+        (the condition is held)."""
+        self._loop_waits = (not self._prepared and self._in_flight < self.concurrency
+                            and not self._exhausted)
 
     def abandon(self, reason: str) -> None:
-        """The loop is gone: the prepared exchanges end unsent, and so does the batch."""
+        """The loop is gone: the prepared exchanges end unsent, and the batch reads no more
+        (the consumer gets the outcomes due, then a NetworkError if input was left)."""
         with self._condition:
+            self._abandoned = reason
             for exchange in self._prepared:
                 self._store(exchange.index,
                             NetworkError(reason, may_have_been_delivered=False))
             self._prepared.clear()
             self._in_flight = 0
-            self._stopped = self._stopped or not self._exhausted
             if not self._exhausted:
                 self._exhausted = True
-                self._error = NetworkError(reason, may_have_been_delivered=False)
+                self._error = NetworkError(reason + "; the rest was not read",
+                                           may_have_been_delivered=False)
 
     def _store(self, index: int, outcome: Outcome) -> None:
         """Keep an outcome for the consumer (the condition is held)."""
@@ -3111,7 +3162,8 @@ def _auth_error(error: Error) -> Error:
         answer = error.response.json()
         reason = "%s: %s" % (answer["error"], answer.get("error_description", ""))
     except (ValueError, KeyError, TypeError):
-        reason = "HTTP %d %s" % (error.status_code, error.response.reason)
+        reason = "HTTP %d %s" % (error.status_code,
+                                 error.response.reason or _phrase(error.status_code))
     if "invalid_grant" in reason and ("iat" in reason or "exp" in reason or "JWT" in reason):
         reason += " (is this machine's clock right?)"
     return AuthError("the token request failed: " + reason.strip().rstrip(":"))
@@ -3654,14 +3706,20 @@ class Client:
         self._loop = route.loop
         self._retry = retry
 
-    def push(self, message: Dict[str, Any], *, validate_only: bool = False) -> Response:
+    def push(self, message: Dict[str, Any], *, validate_only: bool = False,
+             timeout: Optional[float] = None) -> Response:
         """Send one message; return the 2xx Response or raise an andpush.Error.
 
-        ``validate_only`` asks FCM to check the message without delivering it. With the
-        legacy API a 200 whose results hold per-token errors is a success: see
-        ``Response.errors`` and ``Response.canonical_tokens``.
+        ``validate_only`` asks FCM to check the message without delivering it;
+        ``timeout`` replaces the client's read timeout (seconds to wait for each answer)
+        for this call. With the legacy API a 200 whose results hold per-token errors is a
+        success: see ``Response.errors`` and ``Response.canonical_tokens``.
         """
-        outcome = self._loop.run(self._exchange(message, validate_only))
+        exchange = self._exchange(message, validate_only)
+        if timeout is not None:
+            _check_number("timeout", timeout, minimum=0, exclusive=True)
+            exchange.timeout = float(timeout)
+        outcome = self._loop.run(exchange)
         if isinstance(outcome, Response):
             return outcome
         raise outcome
@@ -3793,7 +3851,7 @@ def new(
     access_token: Union[None, str, Callable[[], str]] = None,
     endpoint: str = DEFAULT_ENDPOINT,
     ssl_context: Optional[ssl.SSLContext] = None,
-    timeout: Optional[float] = None,
+    timeout: Union[None, float, Tuple[float, float]] = None,
     pool_size: int = DEFAULT_POOL_SIZE,
     keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
     proxy: Optional[str] = None,
@@ -3805,8 +3863,10 @@ def new(
     """Create a client for the v1 API (``credentials``, ``access_token``, or Application
     Default Credentials when given nothing) or the legacy API (``server_key``).
 
-    ``timeout`` (seconds) bounds connecting and waiting for each answer; ``rate_limit``
-    is the most messages a second the client sends. With ``http2`` (the default) the
+    ``timeout`` (seconds) bounds connecting and waiting for each answer, or is a
+    ``(connect, read)`` pair as in requests; ``proxy`` is an ``http://host:port`` to
+    tunnel through (``""``: none, whatever HTTPS_PROXY says); ``rate_limit`` is the most
+    messages a second the client sends. With ``http2`` (the default) the
     client offers HTTP/2 by ALPN (on ``ssl_context`` too) and multiplexes every request
     over few connections when the server accepts; ``http2=False`` keeps to HTTP/1.1.
     """
@@ -3883,9 +3943,17 @@ def _check_number(
         ))
 
 
-def _timeouts(timeout: Optional[float]) -> Tuple[float, float]:
+def _timeouts(timeout: Union[None, float, Tuple[float, float]]) -> Tuple[float, float]:
+    """Seconds to connect and to wait for an answer: one number for both, or a pair."""
     if timeout is None:
         return DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT
+    if isinstance(timeout, tuple):
+        if len(timeout) != 2:
+            raise ValueError("timeout must be a number or a (connect, read) pair, got %r"
+                             % (timeout,))
+        _check_number("timeout's connect", timeout[0], minimum=0, exclusive=True)
+        _check_number("timeout's read", timeout[1], minimum=0, exclusive=True)
+        return float(timeout[0]), float(timeout[1])
     _check_number("timeout", timeout, minimum=0, exclusive=True)
     return float(timeout), float(timeout)
 

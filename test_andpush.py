@@ -2978,9 +2978,10 @@ class V1ErrorTest(V1TestCase):
         ]
         client = self.v1_client()
         client.push(V1_MESSAGE)  # the access token first
-        FakeClock.install(client)  # the 429 pauses the client for a minute
+        clock = FakeClock.install(client)
         for reply, cls in table:
             with self.subTest(cls.__name__):
+                clock.time += andpush._MAX_RETRY_WAIT  # past the pause the 429 starts
                 self.server.inject(reply)
                 before = self.server.processed
                 with self.assertRaises(cls) as caught:
@@ -3476,14 +3477,47 @@ class RetryTest(V1TestCase):
         self.assertEqual(tokens_sent(self.server).count(TOKEN), 3)
 
     def test_a_429_pauses_the_whole_client(self) -> None:
-        client = self.v1_client()
+        client = self.v1_client(max_retries=1)
         client.push({"token": "warm-up"})
-        self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"))
+        self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"),
+                           fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"))
         clock = FakeClock.install(client)
         with self.assertRaises(andpush.QuotaExceededError):
-            client.push(V1_MESSAGE)  # not retried: max_retries=0
+            client.push(V1_MESSAGE)  # waits out its own pause once, then gives up
+        clock.sleeps.clear()
         client.push({"token": "next"})  # a different message waits out the pause
         self.assertEqual(clock.sleeps, [30.0])
+
+    def test_with_max_retries_0_a_push_during_a_pause_fails_at_once_unsent(self) -> None:
+        client = self.v1_client()  # max_retries=0
+        client.push({"token": "warm-up"})  # the access token first
+        self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"))
+        clock = FakeClock.install(client)
+        with self.assertLogs("andpush", "WARNING") as logs:
+            with self.assertRaises(andpush.QuotaExceededError):
+                client.push(V1_MESSAGE)
+            clock.time += 10
+            processed = self.server.processed
+            with self.assertRaises(andpush.QuotaExceededError) as caught:
+                client.push({"token": "next"})
+        self.assertEqual(self.server.processed, processed)  # not sent
+        self.assertAlmostEqual(caught.exception.retry_after, 20.0)
+        self.assertIn("not sent", str(caught.exception))
+        self.assertEqual(clock.sleeps, [])  # max_retries=0 never sleeps
+        self.assertEqual(len(logs.records), 1)  # the pause is logged once, when it starts
+
+    def test_the_pause_is_bounded_like_a_retry_wait(self) -> None:
+        client = self.v1_client()
+        client.push({"token": "warm-up"})  # the access token first
+        self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="86400"))
+        clock = FakeClock.install(client)
+        with self.assertRaises(andpush.QuotaExceededError):
+            client.push(V1_MESSAGE)
+        with self.assertRaises(andpush.QuotaExceededError) as caught:
+            client.push({"token": "next"})
+        self.assertLessEqual(caught.exception.retry_after, andpush._MAX_RETRY_WAIT)
+        clock.time += andpush._MAX_RETRY_WAIT
+        client.push({"token": "after"})
 
     def test_a_429_without_retry_after_waits_a_minute(self) -> None:
         self.server.by_token[TOKEN] = [fcm_error(429, None)]
@@ -5547,6 +5581,95 @@ class HTTP2TestCase(ServerTestCase):
             self.assertIsInstance(outcome, andpush.Response)
         self.assertEqual(sent_counts(self.server), {"t%d" % i: 1 for i in range(count)})
 
+
+
+class EngineTest(HTTP2TestCase):
+    """One I/O thread per client owns its connections, which outlive each call."""
+
+    def test_connections_outlive_push_many_and_serve_the_next_call(self) -> None:
+        client = self.h2_client()
+        for _ in range(3):
+            self.assertEqual(len(list(client.push_many(
+                [{"token": "t%d" % i} for i in range(100)], concurrency=50))), 100)
+        client.push(V1_MESSAGE)
+        self.assertEqual(self.server.handshakes, 1)
+        self.assertEqual(self.server.processed, 301)
+
+    def test_over_http11_too_push_many_reuses_the_connections_of_the_last_call(self) -> None:
+        client = self.h2_client(http2=False)
+        for _ in range(2):
+            list(client.push_many([{"token": "t%d" % i} for i in range(40)], concurrency=4))
+        self.assertLessEqual(self.server.handshakes, 4)
+        self.assertEqual(self.server.processed, 80)
+
+    def test_threads_and_push_many_share_the_same_connection(self) -> None:
+        self.server.reply_delay = 0.02
+        client = self.h2_client()
+        pushers = [threading.Thread(target=client.push, args=(V1_MESSAGE,)) for _ in range(20)]
+        for pusher in pushers:
+            pusher.start()
+        outcomes = list(client.push_many([{"token": "t%d" % i} for i in range(50)]))
+        for pusher in pushers:
+            pusher.join(5)
+        self.assertEqual(len(outcomes), 50)
+        self.assertEqual(self.server.processed, 70)
+        self.assertEqual(self.server.handshakes, 1)
+
+    def test_idle_connections_close_after_keep_alive_timeout_and_the_thread_ends(
+            self) -> None:
+        client = self.h2_client(keep_alive_timeout=0.05)
+        client.push(V1_MESSAGE)
+        deadline = time.monotonic() + 2
+        while client._loop._thread is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertIsNone(client._loop._thread)  # nothing left: no thread, no socket
+        client.push(V1_MESSAGE)  # a new thread and connection, without a failed send
+        self.assertEqual((self.server.handshakes, self.server.processed), (2, 2))
+
+    def test_a_timeout_for_one_push_bounds_that_push_only(self) -> None:
+        self.server.reply_delay = 0.3
+        client = self.h2_client()
+        started = time.monotonic()
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(V1_MESSAGE, timeout=0.05)
+        self.assertLess(time.monotonic() - started, 0.25)
+        self.assertTrue(caught.exception.may_have_been_delivered)
+        self.assertEqual(client.push(V1_MESSAGE).status_code, 200)  # the client's 30 s
+
+    def test_a_failure_inside_the_io_loop_ends_each_held_message_and_the_client_recovers(
+            self) -> None:
+        self.server.reply_delay = 0.05
+        client = self.h2_client()
+        client.push(V1_MESSAGE)
+        expire = andpush._Loop._expire
+        calls = []
+
+        def fails_once(loop: andpush._Loop, now: float) -> None:
+            calls.append(now)
+            if len(calls) == 3:
+                raise RuntimeError("a bug in the I/O loop")
+            expire(loop, now)
+
+        with unittest.mock.patch.object(andpush._Loop, "_expire", fails_once), \
+                self.assertLogs("andpush", "ERROR"):
+            outcomes = list(client.push_many([{"token": "t%d" % i} for i in range(20)]))
+        self.assertEqual(len(outcomes), 20)
+        sent = sent_counts(self.server)
+        for i, outcome in enumerate(outcomes):
+            if not isinstance(outcome, andpush.Response):
+                self.assertIsInstance(outcome, andpush.NetworkError)
+                if not outcome.may_have_been_delivered:
+                    self.assertEqual(sent["t%d" % i], 0)
+        self.assertEqual(client.push(V1_MESSAGE).status_code, 200)
+
+    def test_timeout_takes_a_connect_read_pair(self) -> None:
+        client = self.h2_client(timeout=(0.5, 0.05))
+        self.server.reply_delay = 0.3
+        with self.assertRaises(andpush.NetworkError):
+            client.push(V1_MESSAGE)
+        for bad in [(1, 2, 3), (0, 1), (1, "2")]:
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "timeout"):
+                andpush.new(SERVER_KEY, timeout=bad)  # type: ignore[arg-type]
 
 
 class HTTP2Test(HTTP2TestCase):
