@@ -2729,6 +2729,222 @@ class HPACKEncoderTest(unittest.TestCase):
                 self.assertEqual(_HPACKDecoder(0).decode(block), tuple(fields))
 
 
+# The wires, without sockets #################################################################
+# The sans-I/O protocol code fed hand-built bytes and frames: what a server may send, split
+# anywhere, and what must come of it.
+
+H1Answer = Tuple[int, str, Dict[str, str], bytes, bool]   # status, reason, headers, body, keep
+
+
+class H1ReaderTest(unittest.TestCase):
+    """_H1Reader: every way an answer may be framed, however its bytes arrive."""
+
+    def read(self, pieces: List[bytes]) -> H1Answer:
+        """The answer an _H1Reader makes of ``pieces`` fed one by one, then eof() if need be.
+
+        Fails unless the answer comes with the last piece that holds a byte, not before.
+        """
+        reader = andpush._H1Reader()
+        last = max((i for i, piece in enumerate(pieces) if piece), default=-1)
+        result = None
+        for i, piece in enumerate(pieces):
+            result = reader.feed(piece)
+            if result is not None:
+                self.assertGreaterEqual(i, last, "the answer was whole before its last byte")
+                break
+        if result is None:
+            result = reader.eof()
+        response, keep_alive = result
+        return (response.status_code, response.reason, dict(response.headers), response.body,
+                keep_alive)
+
+    ANSWERS: List[Tuple[str, bytes, H1Answer]] = [
+        ("content-length",
+         b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 13\r\n\r\n"
+         b'{"name": "x"}',
+         (200, "OK", {"content-type": "application/json", "content-length": "13"},
+          b'{"name": "x"}', True)),
+        ("chunked, with extensions and trailers",
+         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+         b"5;name=value\r\nhello\r\nA ; quoted=\"a;b\"\r\n, world!\r\n\r\n"
+         b"0;last\r\nX-Checksum: 1234\r\nX-Other: x\r\n\r\n",
+         (200, "OK", {"transfer-encoding": "chunked"}, b"hello, world!\r\n", True)),
+        ("no length: the body runs until EOF",
+         b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it\r\n\r\nuntil the end",
+         (200, "OK", {"content-type": "text/plain"}, b"all of it\r\n\r\nuntil the end", False)),
+        ("204 has no body",
+         b"HTTP/1.1 204 No Content\r\nX-A: 1\r\n\r\n",
+         (204, "No Content", {"x-a": "1"}, b"", True)),
+        ("304 has no body",
+         b'HTTP/1.1 304 Not Modified\r\nETag: "x"\r\n\r\n',
+         (304, "Not Modified", {"etag": '"x"'}, b"", True)),
+        ("HTTP/1.0 closes by default",
+         b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+         (200, "OK", {"content-length": "2"}, b"ok", False)),
+        ("HTTP/1.0 with keep-alive",
+         b"HTTP/1.0 200 OK\r\nConnection: Keep-Alive\r\nContent-Length: 2\r\n\r\nok",
+         (200, "OK", {"connection": "Keep-Alive", "content-length": "2"}, b"ok", True)),
+        ("Connection: close",
+         b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 5\r\n"
+         b"Content-Length: 0\r\n\r\n",
+         (503, "Service Unavailable",
+          {"connection": "close", "retry-after": "5", "content-length": "0"}, b"", False)),
+        ("chunked, Connection: close",
+         b"HTTP/1.1 500 Internal Server Error\r\nConnection: Close\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\n3\r\nerr\r\n0\r\n\r\n",
+         (500, "Internal Server Error",
+          {"connection": "Close", "transfer-encoding": "chunked"}, b"err", False)),
+        ("repeated headers joined, names in any case, no reason phrase",
+         b"HTTP/1.1 200\r\nx-a: 1\r\nX-A:2\r\nCONTENT-LENGTH:  0  \r\n\r\n",
+         (200, "", {"x-a": "1, 2", "content-length": "0"}, b"", True)),
+    ]
+
+    def test_answers_fed_whole(self) -> None:
+        for name, data, expected in self.ANSWERS:
+            with self.subTest(name):
+                self.assertEqual(self.read([data]), expected)
+
+    def test_answers_fed_byte_by_byte(self) -> None:
+        for name, data, expected in self.ANSWERS:
+            with self.subTest(name):
+                self.assertEqual(self.read([data[i:i + 1] for i in range(len(data))]), expected)
+
+    def test_answers_split_at_every_position(self) -> None:
+        for name, data, expected in self.ANSWERS:
+            for cut in range(len(data) + 1):
+                with self.subTest(name, cut=cut):
+                    self.assertEqual(self.read([data[:cut], data[cut:]]), expected)
+
+    def test_headers_are_looked_up_in_any_case(self) -> None:
+        response, _ = andpush._H1Reader().feed(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(response.headers["CONTENT-TYPE"], "application/json")
+
+    def test_bytes_beyond_the_answer_mean_the_connection_is_not_kept(self) -> None:
+        # A server that answers more than it was asked cannot be trusted with the next request.
+        one = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        for data in [one + one, one + b"\r\n", one + b"x"]:
+            with self.subTest(data=data):
+                response, keep_alive = andpush._H1Reader().feed(data)
+                self.assertEqual((response.status_code, response.body, keep_alive),
+                                 (200, b"ok", False))
+
+    MALFORMED = [
+        ("not HTTP/1.x", b"HTTP/2 200 OK\r\n\r\n"),
+        ("not HTTP at all", b"ICY 200 OK\r\n\r\n"),
+        ("no status", b"HTTP/1.1\r\n\r\n"),
+        ("two-digit status", b"HTTP/1.1 20 OK\r\n\r\n"),
+        ("four-digit status", b"HTTP/1.1 2000 OK\r\n\r\n"),
+        ("letters for a status", b"HTTP/1.1 2oo OK\r\n\r\n"),
+        ("a status of superscript digits", b"HTTP/1.1 2\xb2\xb2 OK\r\n\r\n"),
+        ("a status with a UTF-8 superscript two", "HTTP/1.1 2\u00b2 OK\r\n\r\n".encode()),
+        ("a header line without a colon", b"HTTP/1.1 200 OK\r\nNoColon\r\n\r\n"),
+        ("space before the colon", b"HTTP/1.1 200 OK\r\nContent-Length : 0\r\n\r\n"),
+        ("a folded header line", b"HTTP/1.1 200 OK\r\nX-A: 1\r\n 2\r\n\r\n"),
+        ("an empty header name", b"HTTP/1.1 200 OK\r\n: v\r\n\r\n"),
+        ("letters for a length", b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n"),
+        ("a negative length", b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n"),
+        ("a signed length", b"HTTP/1.1 200 OK\r\nContent-Length: +1\r\n\r\n"),
+        ("a hexadecimal length", b"HTTP/1.1 200 OK\r\nContent-Length: 0x10\r\n\r\n"),
+        ("two lengths", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\nok"),
+        ("a length in superscript", b"HTTP/1.1 200 OK\r\nContent-Length: 1\xb2\r\n\r\n"),
+        ("a length in UTF-8 superscript",
+         "HTTP/1.1 200 OK\r\nContent-Length: \u00b2\r\n\r\n".encode()),
+        ("letters for a chunk size",
+         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nxyz\r\n"),
+        ("an empty chunk size", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\r\n"),
+        ("a negative chunk size",
+         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-1\r\n"),
+        ("a chunk size with 0x", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\n"),
+        ("two chunk sizes", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2 2\r\n"),
+        ("a chunk size in superscript",
+         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\xb2\r\n"),
+        ("a chunk not followed by CRLF",
+         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokX\r\n0\r\n\r\n"),
+        ("a chunk followed by LF alone",
+         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\n0\r\n\r\n"),
+    ]
+
+    def test_malformed_answers(self) -> None:
+        for name, data in self.MALFORMED:
+            with self.subTest(name), self.assertRaises(andpush._ProtocolError):
+                andpush._H1Reader().feed(data)
+
+    def test_malformed_answers_fed_byte_by_byte(self) -> None:
+        for name, data in self.MALFORMED:
+            reader = andpush._H1Reader()
+            with self.subTest(name), self.assertRaises(andpush._ProtocolError):
+                for i in range(len(data)):
+                    reader.feed(data[i:i + 1])
+
+    def test_head_over_the_limit(self) -> None:
+        unended = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * andpush._MAX_HEAD
+        with self.assertRaisesRegex(andpush._ProtocolError, "head exceeds"):
+            andpush._H1Reader().feed(unended)
+        reader = andpush._H1Reader()
+        with self.assertRaisesRegex(andpush._ProtocolError, "head exceeds"):
+            for start in range(0, len(unended), 4096):
+                reader.feed(unended[start:start + 4096])
+
+    def test_head_just_under_the_limit(self) -> None:
+        start = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Big: "
+        value = b"a" * (andpush._MAX_HEAD - len(start))
+        response, _ = andpush._H1Reader().feed(start + value + b"\r\n\r\n")
+        self.assertEqual(response.headers["x-big"], value.decode())
+
+    def test_bodies_over_the_limit(self) -> None:
+        too_big = andpush._MAX_BODY + 1
+        for name, head, body in [
+            ("content-length", b"Content-Length: %d\r\n" % too_big, b""),
+            ("a chunk", b"Transfer-Encoding: chunked\r\n", b"%x\r\n" % too_big),
+            ("chunks", b"Transfer-Encoding: chunked\r\n",
+             b"%x\r\n%s\r\n2\r\n" % (andpush._MAX_BODY - 1, b"x" * (andpush._MAX_BODY - 1))),
+            ("until EOF", b"", b"x" * too_big),
+        ]:
+            with self.subTest(name), self.assertRaisesRegex(andpush._ProtocolError, "exceeds"):
+                andpush._H1Reader().feed(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + body)
+
+    def test_body_of_exactly_the_limit(self) -> None:
+        body = b"x" * andpush._MAX_BODY
+        for head in [b"", b"Content-Length: %d\r\n" % len(body)]:
+            reader = andpush._H1Reader()
+            self.assertIsNone(reader.feed(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n"))
+            result = reader.feed(body) or reader.eof()
+            self.assertEqual(len(result[0].body), andpush._MAX_BODY)
+
+    def test_eof_mid_answer(self) -> None:
+        whole = (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+                 b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+        for data in whole:
+            for cut in range(len(data)):
+                reader = andpush._H1Reader()
+                self.assertIsNone(reader.feed(data[:cut]))
+                with self.subTest(data=data[:cut]), self.assertRaisesRegex(
+                        andpush._ProtocolError, "closed the connection mid-response"):
+                    reader.eof()
+
+    def test_started_once_any_byte_arrived(self) -> None:
+        reader = andpush._H1Reader()
+        self.assertFalse(reader.started)
+        reader.feed(b"")
+        self.assertFalse(reader.started)
+        reader.feed(b"H")
+        self.assertTrue(reader.started)
+        reader.feed(b"TTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n")
+        self.assertTrue(reader.started)     # the head is consumed: the state says so
+
+
+class EncodeRequestTest(unittest.TestCase):
+    """_encode_request: one HTTP/1.1 request as bytes."""
+
+    def test_request_bytes(self) -> None:
+        data = andpush._encode_request("fcm.googleapis.com", "POST", "/fcm/send",
+                                       {"Content-Type": "application/json"}, b"{}")
+        self.assertEqual(data, b"POST /fcm/send HTTP/1.1\r\nHost: fcm.googleapis.com\r\n"
+                               b"User-Agent: andpush/" + andpush.__version__.encode()
+                         + b"\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
+
+
 # The HTTP v1 API: credentials, tokens, errors, topics #######################################
 
 class _NoLoop:
