@@ -786,10 +786,13 @@ class _H1Reader:
         return response, self._keep and not self._buffer
 
     def _line(self, what: str) -> Optional[bytes]:
-        """The next CRLF-terminated line (consumed), or None until it is whole."""
-        end = self._buffer.find(b"\r\n")
+        """The next CRLF-terminated line (consumed), or None until it is whole.
+
+        The line with its CRLF may take _MAX_HEAD bytes, however the bytes arrived.
+        """
+        end = self._buffer.find(b"\r\n", 0, _MAX_HEAD)
         if end < 0:
-            if len(self._buffer) > _MAX_HEAD:
+            if len(self._buffer) >= _MAX_HEAD:
                 raise _ProtocolError("%s exceeds %d bytes" % (what, _MAX_HEAD))
             return None
         line = bytes(self._buffer[:end])
@@ -797,9 +800,9 @@ class _H1Reader:
         return line
 
     def _read_head(self) -> bool:
-        end = self._buffer.find(b"\r\n\r\n")
+        end = self._buffer.find(b"\r\n\r\n", 0, _MAX_HEAD)  # the blank line within the limit
         if end < 0:
-            if len(self._buffer) > _MAX_HEAD:
+            if len(self._buffer) >= _MAX_HEAD:
                 raise _ProtocolError("the response head exceeds %d bytes" % _MAX_HEAD)
             return False
         lines = self._buffer[:end].decode("latin-1").split("\r\n")

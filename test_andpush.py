@@ -2886,11 +2886,26 @@ class H1ReaderTest(unittest.TestCase):
             for start in range(0, len(unended), 4096):
                 reader.feed(unended[start:start + 4096])
 
+    def test_head_over_the_limit_in_one_piece(self) -> None:
+        # The limit holds however the bytes arrive: one read may hold a whole oversized head.
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Big: " + b"a" * andpush._MAX_HEAD
+        with self.assertRaisesRegex(andpush._ProtocolError, "head exceeds"):
+            andpush._H1Reader().feed(head + b"\r\n\r\n")
+
+    def test_chunk_line_over_the_limit_in_one_piece(self) -> None:
+        for name, line in [("a chunk line", b"1;" + b"e" * andpush._MAX_HEAD + b"\r\nx\r\n"),
+                           ("a trailer line", b"0\r\nX: " + b"t" * andpush._MAX_HEAD + b"\r\n")]:
+            with self.subTest(name), self.assertRaisesRegex(andpush._ProtocolError,
+                                                            name + " exceeds"):
+                andpush._H1Reader().feed(
+                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + line + b"\r\n")
+
     def test_head_just_under_the_limit(self) -> None:
         start = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nX-Big: "
-        value = b"a" * (andpush._MAX_HEAD - len(start))
-        response, _ = andpush._H1Reader().feed(start + value + b"\r\n\r\n")
-        self.assertEqual(response.headers["x-big"], value.decode())
+        value = b"a" * (andpush._MAX_HEAD - len(start) - 4)     # the blank line counts
+        for pieces in ([start + value + b"\r\n\r\n"], [start + value, b"\r\n", b"\r", b"\n"]):
+            with self.subTest(pieces=len(pieces)):
+                self.assertEqual(self.read(pieces)[2]["x-big"], value.decode())
 
     def test_bodies_over_the_limit(self) -> None:
         too_big = andpush._MAX_BODY + 1
