@@ -902,10 +902,11 @@ def _parse_header_lines(lines: List[str]) -> Dict[str, str]:
 def _content_length(value: str) -> int:
     if not _is_digits(value):
         raise _ProtocolError("bad Content-Length %r" % value[:20])
-    length = int(value)
-    if length > _MAX_BODY:
-        raise _ProtocolError("response body of %d bytes exceeds %d" % (length, _MAX_BODY))
-    return length
+    digits = value.lstrip("0") or "0"
+    # Checked before int(), which refuses thousands of digits (Python 3.11+).
+    if len(digits) > len(str(_MAX_BODY)) or int(digits) > _MAX_BODY:
+        raise _ProtocolError("Content-Length %.20s exceeds %d bytes" % (digits, _MAX_BODY))
+    return int(digits)
 
 
 # HPACK #######################################################################

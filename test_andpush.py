@@ -2919,6 +2919,17 @@ class H1ReaderTest(unittest.TestCase):
             with self.subTest(name), self.assertRaisesRegex(andpush._ProtocolError, "exceeds"):
                 andpush._H1Reader().feed(b"HTTP/1.1 200 OK\r\n" + head + b"\r\n" + body)
 
+    def test_lengths_of_thousands_of_digits(self) -> None:
+        # Beyond 4,300 digits int() itself refuses (Python 3.11+): the reader must answer first.
+        for digits, error in [("1" * 5000, "exceeds"), ("0" * 5000 + "2", None)]:
+            data = b"HTTP/1.1 200 OK\r\nContent-Length: %s\r\n\r\nok" % digits.encode()
+            with self.subTest(digits=len(digits)):
+                if error:
+                    with self.assertRaisesRegex(andpush._ProtocolError, error):
+                        andpush._H1Reader().feed(data)
+                else:
+                    self.assertEqual(self.read([data])[3], b"ok")
+
     def test_body_of_exactly_the_limit(self) -> None:
         body = b"x" * andpush._MAX_BODY
         for head in [b"", b"Content-Length: %d\r\n" % len(body)]:
