@@ -2971,6 +2971,495 @@ class EncodeRequestTest(unittest.TestCase):
                          + b"\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}")
 
 
+# HTTP/2 frame types, flags, settings and error codes, as RFC 9113 numbers them.
+H2_DATA, H2_HEADERS, H2_PRIORITY, H2_RST_STREAM, H2_SETTINGS, H2_PUSH_PROMISE = range(6)
+H2_PING, H2_GOAWAY, H2_WINDOW_UPDATE, H2_CONTINUATION = range(6, 10)
+H2_END_STREAM = H2_ACK = 0x1
+H2_END_HEADERS, H2_PADDED, H2_PRIORITY_FLAG = 0x4, 0x8, 0x20
+H2_HEADER_TABLE_SIZE, H2_ENABLE_PUSH, H2_MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
+H2_INITIAL_WINDOW_SIZE, H2_MAX_FRAME_SIZE = 0x4, 0x5
+H2_PROTOCOL_ERROR, H2_INTERNAL_ERROR, H2_FLOW_CONTROL_ERROR = 0x1, 0x2, 0x3
+H2_FRAME_SIZE_ERROR = 0x6
+H2_REFUSED_STREAM, H2_CANCEL, H2_COMPRESSION_ERROR = 0x7, 0x8, 0x9
+H2_CLIENT_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+Frame = Tuple[int, int, int, bytes]   # type, flags, stream id, payload
+
+
+def h2_frame(kind: int, flags: int = 0, stream_id: int = 0, payload: bytes = b"") -> bytes:
+    """One HTTP/2 frame: the 9-byte header (length, type, flags, stream id), then the payload."""
+    return struct.pack(">I", len(payload))[1:] + struct.pack(">BBI", kind, flags, stream_id) \
+        + payload
+
+
+def h2_settings(*settings: Tuple[int, int]) -> bytes:
+    return h2_frame(H2_SETTINGS, payload=b"".join(struct.pack(">HI", *s) for s in settings))
+
+
+def h2_frames(data: bytes) -> List[Frame]:
+    """The frames ``data`` holds, which must be whole."""
+    frames = []
+    while data:
+        length, = struct.unpack(">I", b"\0" + data[:3])
+        kind, flags, stream_id = struct.unpack(">BBI", data[3:9])
+        if len(data) < 9 + length:
+            raise AssertionError("a partial frame")
+        frames.append((kind, flags, stream_id, data[9:9 + length]))
+        data = data[9 + length:]
+    return frames
+
+
+def h2_answer(stream_id: int, status: str = "200", body: bytes = b"",
+              headers: Tuple[Tuple[str, str], ...] = ()) -> bytes:
+    """A whole response on one stream: HEADERS, then DATA with END_STREAM if there is a body."""
+    block = _hpack_encode([(":status", status), *headers])
+    if not body:
+        return h2_frame(H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, stream_id, block)
+    return (h2_frame(H2_HEADERS, H2_END_HEADERS, stream_id, block)
+            + h2_frame(H2_DATA, H2_END_STREAM, stream_id, body))
+
+
+class H2TestCase(unittest.TestCase):
+    """An _H2Connection with the frames it sends taken out and read as they are queued."""
+
+    def connect(self) -> andpush._H2Connection:
+        """A connection whose preface and first frames were written: still no SETTINGS."""
+        conn = andpush._H2Connection("fcm.googleapis.com", "https")
+        conn.wrote(len(conn.outgoing))
+        return conn
+
+    def open(self, *settings: Tuple[int, int]) -> andpush._H2Connection:
+        """A connection the server's SETTINGS opened, its ACK written."""
+        conn = self.connect()
+        conn.receive(h2_settings(*settings))
+        self.assertEqual(self.sent(conn), [(H2_SETTINGS, H2_ACK, 0, b"")])
+        return conn
+
+    def sent(self, conn: andpush._H2Connection) -> List[Frame]:
+        """The frames queued since last asked, now written."""
+        frames = h2_frames(bytes(conn.outgoing))
+        conn.wrote(len(conn.outgoing))
+        return frames
+
+    def start(self, conn: andpush._H2Connection, key: object, body: bytes = b"",
+              deadline: float = 1e9) -> int:
+        return conn.start("POST", "/v1/projects/p/messages:send",
+                          {"content-type": "application/json"}, body, key, deadline)
+
+    def outcome(self, conn: andpush._H2Connection) -> Tuple[object, object]:
+        """The one outcome finished since last asked."""
+        self.assertEqual(len(conn.finished), 1, conn.finished)
+        return conn.finished.pop()
+
+
+class H2ConnectionTest(H2TestCase):
+    """_H2Connection, fed hand-built frames: no server, no socket."""
+
+    def test_preface_settings_and_window_update_come_first(self) -> None:
+        conn = andpush._H2Connection("fcm.googleapis.com", "https")
+        data = bytes(conn.outgoing)
+        self.assertTrue(data.startswith(H2_CLIENT_PREFACE))
+        settings, window_update = h2_frames(data[len(H2_CLIENT_PREFACE):])
+        self.assertEqual(settings, (H2_SETTINGS, 0, 0, struct.pack(
+            ">HIHIHI", H2_HEADER_TABLE_SIZE, 0, H2_ENABLE_PUSH, 0,
+            H2_INITIAL_WINDOW_SIZE, andpush._H2_WINDOW)))
+        self.assertEqual(window_update, (H2_WINDOW_UPDATE, 0, 0, struct.pack(
+            ">I", andpush._H2_WINDOW - 65535)))
+
+    def test_no_stream_before_the_servers_settings(self) -> None:
+        conn = self.connect()
+        self.assertEqual((conn.state, conn.free_streams), ("WAITING_FOR_SETTINGS", 0))
+        with self.assertRaises(RuntimeError):
+            self.start(conn, "early")
+        self.assertEqual(self.sent(conn), [])
+        with self.assertRaisesRegex(andpush._H2Error, "first frame was not SETTINGS"):
+            conn.receive(h2_frame(H2_PING, payload=bytes(8)))
+
+    def test_settings_open_the_connection_and_are_acknowledged(self) -> None:
+        conn = self.connect()
+        conn.receive(h2_settings((H2_MAX_CONCURRENT_STREAMS, 2))[:-1])
+        self.assertEqual(conn.state, "WAITING_FOR_SETTINGS")
+        conn.receive(h2_settings((H2_MAX_CONCURRENT_STREAMS, 2))[-1:])
+        self.assertEqual((conn.state, conn.max_streams, conn.free_streams), ("OPEN", 2, 2))
+        self.assertEqual(self.sent(conn), [(H2_SETTINGS, H2_ACK, 0, b"")])
+        conn.receive(h2_frame(H2_SETTINGS, H2_ACK))         # the ACK of ours: nothing to say
+        self.assertEqual(self.sent(conn), [])
+
+    def test_settings_without_a_stream_limit_leave_streams_unlimited(self) -> None:
+        conn = self.open()
+        self.assertGreater(conn.free_streams, 10000)
+
+    def test_max_concurrent_streams_is_followed_as_it_changes(self) -> None:
+        conn = self.open((H2_MAX_CONCURRENT_STREAMS, 2))
+        self.assertEqual([self.start(conn, "a"), self.start(conn, "b")], [1, 3])
+        self.assertEqual(conn.free_streams, 0)
+        with self.assertRaises(RuntimeError):
+            self.start(conn, "c")
+        conn.receive(h2_settings((H2_MAX_CONCURRENT_STREAMS, 1)))   # the limit shrinks
+        self.assertEqual(conn.max_streams, 1)
+        conn.receive(h2_answer(1))
+        self.assertEqual(self.outcome(conn)[0], "a")
+        self.assertEqual(conn.free_streams, 0)              # one is still open: the limit
+        conn.receive(h2_answer(3))
+        self.assertEqual(self.outcome(conn)[0], "b")
+        self.assertEqual(conn.free_streams, 1)
+        conn.receive(h2_settings((H2_MAX_CONCURRENT_STREAMS, 0)))
+        self.assertEqual(conn.free_streams, 0)
+
+    def test_request_headers_and_body(self) -> None:
+        conn = self.open()
+        self.assertEqual(self.start(conn, "k", b'{"message": {}}'), 1)
+        headers, data = self.sent(conn)
+        self.assertEqual(headers[:3], (H2_HEADERS, H2_END_HEADERS, 1))
+        self.assertEqual(_HPACKDecoder(0).decode(headers[3]), (
+            (":method", "POST"), (":scheme", "https"), (":authority", "fcm.googleapis.com"),
+            (":path", "/v1/projects/p/messages:send"),
+            ("user-agent", "andpush/" + andpush.__version__), ("content-length", "15"),
+            ("content-type", "application/json")))
+        self.assertEqual(data, (H2_DATA, H2_END_STREAM, 1, b'{"message": {}}'))
+        self.start(conn, "no body")
+        (headers,) = self.sent(conn)
+        self.assertEqual(headers[:3], (H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 3))
+
+    def test_response_over_headers_continuation_and_data_frames(self) -> None:
+        block = _hpack_encode([(":status", "200"), ("content-type", "application/json"),
+                               ("x-a", "1"), ("x-a", "2")])
+        data = (h2_frame(H2_HEADERS, 0, 3, block[:3])
+                + h2_frame(H2_CONTINUATION, 0, 3, block[3:10])
+                + h2_frame(H2_CONTINUATION, H2_END_HEADERS, 3, block[10:])
+                + h2_frame(H2_DATA, 0, 3, b'{"name": ')
+                + h2_frame(H2_DATA, 0, 3, b"")
+                + h2_frame(H2_DATA, H2_END_STREAM, 3, b'"x"}'))
+        for pieces in [[data], [data[i:i + 1] for i in range(len(data))]]:
+            with self.subTest(pieces=len(pieces)):
+                conn = self.open()
+                self.start(conn, "first")
+                self.start(conn, "second")
+                for piece in pieces:
+                    conn.receive(piece)
+                key, response = self.outcome(conn)
+                self.assertEqual(key, "second")
+                self.assertIsInstance(response, andpush.Response)
+                self.assertEqual((response.status_code, dict(response.headers), response.json()),
+                                 (200, {"content-type": "application/json", "x-a": "1, 2"},
+                                  {"name": "x"}))
+                self.assertEqual(list(conn.streams), [1])
+
+    def test_1xx_headers_are_skipped_and_trailers_ignored(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        conn.receive(h2_frame(H2_HEADERS, H2_END_HEADERS, 1, _hpack_encode([(":status", "103")]))
+                     + h2_frame(H2_HEADERS, H2_END_HEADERS, 1, _hpack_encode(
+                         [(":status", "404"), ("x-a", "1")]))
+                     + h2_frame(H2_DATA, 0, 1, b"{}")
+                     + h2_frame(H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 1,
+                                _hpack_encode([("grpc-status", "0")])))
+        _, response = self.outcome(conn)
+        self.assertEqual((response.status_code, dict(response.headers), response.body),
+                         (404, {"x-a": "1"}, b"{}"))
+
+    def test_padding_and_priority_are_stripped(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        block = _hpack_encode([(":status", "201")])
+        conn.receive(h2_frame(H2_HEADERS, H2_END_HEADERS | H2_PADDED | H2_PRIORITY_FLAG, 1,
+                              b"\x03" + struct.pack(">IB", 0x80000003, 200) + block + bytes(3))
+                     + h2_frame(H2_DATA, H2_PADDED, 1, b"\x02ab" + bytes(2))
+                     + h2_frame(H2_DATA, H2_PADDED | H2_END_STREAM, 1, b"\x00c"))
+        _, response = self.outcome(conn)
+        self.assertEqual((response.status_code, response.body), (201, b"abc"))
+
+    def test_padding_longer_than_the_frame(self) -> None:
+        for frame in [h2_frame(H2_DATA, H2_PADDED, 1, b"\x03ab"),
+                      h2_frame(H2_DATA, H2_PADDED, 1, b""),
+                      h2_frame(H2_HEADERS, H2_PADDED | H2_END_HEADERS, 1, b"\x05\x88")]:
+            conn = self.open()
+            self.start(conn, "k")
+            with self.subTest(frame=frame), self.assertRaisesRegex(andpush._H2Error, "padding"):
+                conn.receive(frame)
+
+    def test_refused_stream_was_not_processed(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        conn.receive(h2_frame(H2_RST_STREAM, 0, 1, struct.pack(">I", H2_REFUSED_STREAM)))
+        key, outcome = self.outcome(conn)
+        self.assertEqual(key, "k")
+        self.assertIsInstance(outcome, andpush._NotProcessed)
+        self.assertEqual((conn.streams, conn.state), ({}, "OPEN"))
+
+    def test_other_resets_may_have_been_delivered(self) -> None:
+        for code in [0, H2_INTERNAL_ERROR, H2_CANCEL, 0xFF]:
+            conn = self.open()
+            self.start(conn, "k")
+            conn.receive(h2_frame(H2_RST_STREAM, 0, 1, struct.pack(">I", code)))
+            _, outcome = self.outcome(conn)
+            with self.subTest(code=code):
+                self.assertIsInstance(outcome, andpush.NetworkError)
+                self.assertTrue(outcome.may_have_been_delivered)
+                self.assertIn("error %d" % code, str(outcome))
+
+    def test_goaway_ends_new_streams_and_those_above_its_last_id(self) -> None:
+        conn = self.open()
+        for key in "abc":
+            self.start(conn, key)
+        conn.receive(h2_frame(H2_GOAWAY, payload=struct.pack(">II", 3, 0)))
+        self.assertEqual((conn.state, conn.free_streams, conn.last_stream_id),
+                         ("GOING_AWAY", 0, 3))
+        key, outcome = self.outcome(conn)
+        self.assertEqual(key, "c")
+        self.assertIsInstance(outcome, andpush._NotProcessed)
+        with self.assertRaises(RuntimeError):
+            self.start(conn, "d")
+        conn.receive(h2_answer(3, body=b"{}") + h2_answer(1, "500"))
+        self.assertEqual([(key, response.status_code) for key, response in conn.finished],
+                         [("b", 200), ("a", 500)])
+
+    def test_shutdown_notice_ends_new_streams_only(self) -> None:
+        conn = self.open()
+        self.start(conn, "a")
+        conn.receive(h2_frame(H2_GOAWAY, payload=struct.pack(">II", 2 ** 31 - 1, 0)))
+        self.assertEqual((conn.state, conn.free_streams, conn.finished), ("GOING_AWAY", 0, []))
+        conn.receive(h2_frame(H2_GOAWAY, payload=struct.pack(">II", 1, 0) + b"debug data"))
+        self.assertEqual((conn.state, conn.last_stream_id, conn.finished), ("GOING_AWAY", 1, []))
+        conn.receive(h2_answer(1))
+        self.assertEqual(self.outcome(conn)[1].status_code, 200)
+
+    def test_lost_streams_whose_bytes_were_never_written_were_not_processed(self) -> None:
+        conn = self.open()
+        self.start(conn, "written")
+        conn.wrote(len(conn.outgoing))
+        self.start(conn, "partly written")
+        conn.wrote(1)
+        self.start(conn, "queued")
+        conn.lost("connection reset")
+        self.assertEqual(conn.state, "CLOSED")
+        outcomes = dict(conn.finished)
+        self.assertEqual(list(outcomes), ["written", "partly written", "queued"])
+        for key in ["written", "partly written"]:
+            self.assertIsInstance(outcomes[key], andpush.NetworkError)
+            self.assertTrue(outcomes[key].may_have_been_delivered)
+        self.assertIsInstance(outcomes["queued"], andpush._NotProcessed)
+        self.assertEqual(conn.free_streams, 0)
+
+    def test_abort_says_why_and_ends_every_stream(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        self.sent(conn)
+        conn.abort(andpush._H2Error("bad", H2_COMPRESSION_ERROR))
+        self.assertEqual(self.sent(conn), [(H2_GOAWAY, 0, 0, struct.pack(
+            ">II", 0, H2_COMPRESSION_ERROR))])
+        self.assertEqual(conn.state, "CLOSED")
+        self.assertTrue(self.outcome(conn)[1].may_have_been_delivered)
+
+    def test_close_says_goodbye_and_ends_every_stream(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        conn.close()
+        self.assertEqual(self.sent(conn)[-1], (H2_GOAWAY, 0, 0, bytes(8)))
+        self.assertIsInstance(self.outcome(conn)[1], andpush._NotProcessed)
+
+    def test_cancel_resets_the_stream_without_an_outcome(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        self.sent(conn)
+        conn.cancel(1)
+        self.assertEqual(self.sent(conn), [(H2_RST_STREAM, 0, 1, struct.pack(">I", H2_CANCEL))])
+        conn.receive(h2_answer(1, body=b"late"))
+        self.assertEqual((conn.finished, conn.streams), ([], {}))
+
+    def test_expire_resets_the_streams_past_their_deadline(self) -> None:
+        conn = self.open()
+        for key, deadline in [("a", 10.0), ("b", 20.0), ("c", 30.0)]:
+            self.start(conn, key, deadline=deadline)
+        self.sent(conn)
+        conn.expire(9.9)
+        self.assertEqual(conn.finished, [])
+        conn.expire(20.0)
+        self.assertEqual([key for key, _ in conn.finished], ["a", "b"])
+        for _, outcome in conn.finished:
+            self.assertIsInstance(outcome, andpush.NetworkError)
+            self.assertTrue(outcome.may_have_been_delivered)
+        self.assertEqual(self.sent(conn), [(H2_RST_STREAM, 0, stream_id, struct.pack(
+            ">I", H2_CANCEL)) for stream_id in (1, 3)])
+        self.assertEqual((list(conn.streams), conn.next_deadline()), ([5], 30.0))
+
+    def test_ping_is_answered_with_its_payload(self) -> None:
+        conn = self.open()
+        conn.receive(h2_frame(H2_PING, payload=b"12345678"))
+        self.assertEqual(self.sent(conn), [(H2_PING, H2_ACK, 0, b"12345678")])
+        conn.receive(h2_frame(H2_PING, H2_ACK, payload=b"andpush!"))    # the answer to ours
+        self.assertEqual(self.sent(conn), [])
+        conn.ping()
+        self.assertEqual(self.sent(conn), [(H2_PING, 0, 0, b"andpush!")])
+
+    def test_frames_of_unknown_type_and_priority_are_ignored(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        self.sent(conn)
+        conn.receive(h2_frame(0xFA, 0xFF, 1, b"whatever")
+                     + h2_frame(H2_PRIORITY, 0, 1, struct.pack(">IB", 0, 16)))
+        self.assertEqual((self.sent(conn), conn.finished, conn.state), ([], [], "OPEN"))
+
+
+class H2FlowControlTest(H2TestCase):
+    """What we send stays within both of the server's windows; what we take, we give back."""
+
+    def data_sent(self, conn: andpush._H2Connection) -> List[Tuple[int, int, int]]:
+        """(stream, size, flags) of each DATA frame queued since last asked."""
+        return [(stream_id, len(payload), flags)
+                for kind, flags, stream_id, payload in self.sent(conn) if kind == H2_DATA]
+
+    def test_a_body_waits_for_the_streams_window(self) -> None:
+        conn = self.open((H2_INITIAL_WINDOW_SIZE, 100))
+        self.start(conn, "k", b"x" * 250)
+        self.assertEqual(self.data_sent(conn), [(1, 100, 0)])
+        conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 0, struct.pack(">I", 1000)))
+        self.assertEqual(self.data_sent(conn), [])          # the connection's is not the one
+        conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
+        self.assertEqual(self.data_sent(conn), [(1, 100, 0)])
+        conn.receive(h2_settings((H2_INITIAL_WINDOW_SIZE, 150)))   # 50 more for each stream
+        self.assertEqual(self.data_sent(conn), [(1, 50, H2_END_STREAM)])
+
+    def test_a_body_waits_for_the_connections_window(self) -> None:
+        conn = self.open((H2_INITIAL_WINDOW_SIZE, 1 << 20))
+        self.start(conn, "a", b"x" * 60000)
+        self.start(conn, "b", b"y" * 10000)
+        sent = self.data_sent(conn)
+        self.assertEqual(sum(size for _, size, _ in sent), 65535)     # RFC 9113's default
+        self.assertLessEqual(max(size for _, size, _ in sent), 16384)
+        self.assertEqual([flags for stream_id, _, flags in sent if stream_id == 1][-1],
+                         H2_END_STREAM)
+        conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 3, struct.pack(">I", 100000)))
+        self.assertEqual(self.data_sent(conn), [])
+        conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 0, struct.pack(">I", 4000)))
+        self.assertEqual(self.data_sent(conn), [(3, 4000, 0)])
+        conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 0, struct.pack(">I", 100000)))
+        self.assertEqual(self.data_sent(conn), [(3, 465, H2_END_STREAM)])
+
+    def test_frames_follow_the_servers_max_frame_size(self) -> None:
+        conn = self.open((H2_MAX_FRAME_SIZE, 20000), (H2_INITIAL_WINDOW_SIZE, 1 << 20))
+        conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 20)))
+        self.start(conn, "k", b"x" * 50000)
+        self.assertEqual(self.data_sent(conn), [(1, 20000, 0), (1, 20000, 0),
+                                                (1, 10000, H2_END_STREAM)])
+
+    def test_data_over_half_our_window_is_given_back(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        conn.cancel(1)                              # DATA for it still counts, and is dropped
+        self.sent(conn)
+        chunk = h2_frame(H2_DATA, 0, 1, bytes(16384))
+        frames = andpush._H2_WINDOW // 2 // 16384
+        conn.receive(chunk * frames)                # exactly half: not yet
+        self.assertEqual(self.sent(conn), [])
+        conn.receive(chunk)
+        self.assertEqual(self.sent(conn), [(H2_WINDOW_UPDATE, 0, 0, struct.pack(
+            ">I", (frames + 1) * 16384))])
+        self.assertEqual(conn.finished, [])
+
+
+class H2ErrorTest(H2TestCase):
+    """What breaks HTTP/2 ends the connection with the right code; what breaks one answer
+    ends that stream only."""
+
+    CONNECTION_ERRORS = [                    # (name, frames, code)
+        ("a frame over 16,384 bytes", h2_frame(H2_DATA, 0, 1, bytes(16385))[:9],
+         H2_FRAME_SIZE_ERROR),
+        ("PUSH_PROMISE", h2_frame(H2_PUSH_PROMISE, H2_END_HEADERS, 1,
+                                  struct.pack(">I", 2) + _hpack_encode([(":method", "GET")])),
+         H2_PROTOCOL_ERROR),
+        ("CONTINUATION with no header block",
+         h2_frame(H2_CONTINUATION, H2_END_HEADERS, 1, b"\x88"), H2_PROTOCOL_ERROR),
+        ("CONTINUATION on another stream",
+         h2_frame(H2_HEADERS, 0, 1, b"\x88") + h2_frame(H2_CONTINUATION, H2_END_HEADERS, 3),
+         H2_PROTOCOL_ERROR),
+        ("a header block interrupted",
+         h2_frame(H2_HEADERS, 0, 1, b"\x88") + h2_frame(H2_PING, payload=bytes(8)),
+         H2_PROTOCOL_ERROR),
+        ("a bad HPACK block", h2_frame(H2_HEADERS, H2_END_HEADERS, 1, b"\xbe"),
+         H2_COMPRESSION_ERROR),
+        ("a bad HPACK block on a stream not ours",
+         h2_frame(H2_HEADERS, H2_END_HEADERS, 99, b"\x80"), H2_COMPRESSION_ERROR),
+        ("a SETTINGS frame of 5 bytes", h2_frame(H2_SETTINGS, payload=bytes(5)),
+         H2_FRAME_SIZE_ERROR),
+        ("a window over 2^31-1", h2_settings((H2_INITIAL_WINDOW_SIZE, 2 ** 31)),
+         H2_FLOW_CONTROL_ERROR),
+        ("a frame size under 16,384", h2_settings((H2_MAX_FRAME_SIZE, 16383)),
+         H2_PROTOCOL_ERROR),
+        ("a short GOAWAY", h2_frame(H2_GOAWAY, payload=bytes(7)), H2_FRAME_SIZE_ERROR),
+        ("a short WINDOW_UPDATE", h2_frame(H2_WINDOW_UPDATE, 0, 1, bytes(3)),
+         H2_FRAME_SIZE_ERROR),
+        ("a header block over the limit",
+         h2_frame(H2_HEADERS, 0, 1, b"\x00" * 16384)
+         + h2_frame(H2_CONTINUATION, 0, 1, b"\x00" * 16384) * 4, H2_PROTOCOL_ERROR),
+    ]
+
+    def test_connection_errors(self) -> None:
+        for name, data, code in self.CONNECTION_ERRORS:
+            conn = self.open()
+            self.start(conn, "k")
+            with self.subTest(name):
+                with self.assertRaises(andpush._H2Error) as caught:
+                    conn.receive(data)
+                self.assertEqual(caught.exception.code, code)
+
+    def test_bad_status_ends_the_stream_only(self) -> None:
+        for status in [None, "", "20", "2000", "abc", "2\u00b2\u00b2", " 200"]:
+            conn = self.open()
+            self.start(conn, "bad")
+            self.start(conn, "good")
+            self.sent(conn)
+            fields = [("content-type", "application/json")]
+            if status is not None:
+                fields.insert(0, (":status", status))
+            conn.receive(h2_frame(H2_HEADERS, H2_END_HEADERS, 1, _hpack_encode(fields))
+                         + h2_frame(H2_DATA, H2_END_STREAM, 1, b"{}"))
+            with self.subTest(status=status):
+                key, outcome = self.outcome(conn)
+                self.assertEqual(key, "bad")
+                self.assertIsInstance(outcome, andpush.NetworkError)
+                self.assertTrue(outcome.may_have_been_delivered)
+                self.assertEqual(self.sent(conn), [(H2_RST_STREAM, 0, 1, struct.pack(
+                    ">I", H2_CANCEL))])
+                conn.receive(h2_answer(3))
+                self.assertEqual(self.outcome(conn)[1].status_code, 200)
+                self.assertEqual(conn.state, "OPEN")
+
+    def test_body_over_the_limit_ends_the_stream_only(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        self.sent(conn)
+        conn.receive(h2_frame(H2_HEADERS, H2_END_HEADERS, 1, b"\x88"))
+        chunk = h2_frame(H2_DATA, 0, 1, bytes(16384))
+        conn.receive(chunk * (andpush._MAX_BODY // 16384) + h2_frame(H2_DATA, 0, 1, b"x"))
+        _, outcome = self.outcome(conn)
+        self.assertIsInstance(outcome, andpush.NetworkError)
+        self.assertIn("exceeds", str(outcome))
+        self.assertIn((H2_RST_STREAM, 0, 1, struct.pack(">I", H2_CANCEL)), self.sent(conn))
+
+
+class H2HeaderTableTest(H2TestCase):
+    """The server's dynamic table is decoded whatever size we asked for, across responses."""
+
+    def test_an_entry_indexed_by_one_response_is_used_by_the_next(self) -> None:
+        conn = self.open()
+        self.start(conn, "first")
+        self.start(conn, "second")
+        literal = b"\x40\x0bx-served-by\x06edge-1"      # with incremental indexing: index 62
+        conn.receive(h2_frame(H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 1, b"\x88" + literal)
+                     + h2_frame(H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 3, b"\x88\xbe"))
+        self.assertEqual([(key, dict(response.headers)) for key, response in conn.finished],
+                         [("first", {"x-served-by": "edge-1"}),
+                          ("second", {"x-served-by": "edge-1"})])
+
+    def test_blocks_on_streams_not_ours_still_change_the_table(self) -> None:
+        conn = self.open()
+        self.start(conn, "k")
+        conn.receive(h2_frame(H2_HEADERS, H2_END_HEADERS, 7, b"\x88\x40\x01a\x01b")
+                     + h2_frame(H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 1, b"\x88\xbe"))
+        self.assertEqual(dict(self.outcome(conn)[1].headers), {"a": "b"})
+
+
 # The HTTP v1 API: credentials, tokens, errors, topics #######################################
 
 class _NoLoop:
