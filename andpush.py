@@ -1536,7 +1536,7 @@ class _H2Connection:
             if status[0] != "1":
                 stream.status = int(status)
                 for name, value in fields:
-                    if name[0] != ":":
+                    if not name.startswith(":"):  # a name may be empty
                         old = stream.headers.get(name)
                         stream.headers[name] = value if old is None else old + ", " + value
         if end_stream:

@@ -3425,6 +3425,13 @@ class H2ErrorTest(H2TestCase):
                 self.assertEqual(self.outcome(conn)[1].status_code, 200)
                 self.assertEqual(conn.state, "OPEN")
 
+    def test_header_with_an_empty_name_is_kept(self) -> None:
+        # HPACK can carry an empty name; HTTP forbids it, but it is no reason to fail here.
+        conn = self.open()
+        self.start(conn, "k")
+        conn.receive(h2_answer(1, headers=(("", "x"),)))
+        self.assertEqual(dict(self.outcome(conn)[1].headers), {"": "x"})
+
     def test_body_over_the_limit_ends_the_stream_only(self) -> None:
         conn = self.open()
         self.start(conn, "k")
