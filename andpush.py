@@ -1606,6 +1606,10 @@ class _H2Connection:
     # Ending streams -------------------------------------------------------------
 
     def _complete(self, stream: _H2Stream) -> None:
+        if not stream.status:  # DATA before HEADERS, or only a 1xx: no answer at all
+            self._reset(stream, NetworkError("the server ended the stream without a :status",
+                                             may_have_been_delivered=True))
+            return
         response = Response(stream.status, "", Headers(stream.headers), bytes(stream.body))
         self._finish(stream.id, response)
 

@@ -3425,6 +3425,21 @@ class H2ErrorTest(H2TestCase):
                 self.assertEqual(self.outcome(conn)[1].status_code, 200)
                 self.assertEqual(conn.state, "OPEN")
 
+    def test_stream_ended_without_a_final_status(self) -> None:
+        for name, data in [
+            ("DATA before any HEADERS", h2_frame(H2_DATA, H2_END_STREAM, 1, b"{}")),
+            ("an informational status only", h2_frame(H2_HEADERS, H2_END_HEADERS | H2_END_STREAM,
+                                                       1, _hpack_encode([(":status", "103")]))),
+        ]:
+            conn = self.open()
+            self.start(conn, "k")
+            conn.receive(data)
+            with self.subTest(name):
+                _, outcome = self.outcome(conn)
+                self.assertIsInstance(outcome, andpush.NetworkError)
+                self.assertTrue(outcome.may_have_been_delivered)
+                self.assertEqual(conn.state, "OPEN")
+
     def test_header_with_an_empty_name_is_kept(self) -> None:
         # HPACK can carry an empty name; HTTP forbids it, but it is no reason to fail here.
         conn = self.open()
