@@ -3482,6 +3482,193 @@ class H2HeaderTableTest(H2TestCase):
         self.assertEqual(dict(self.outcome(conn)[1].headers), {"a": "b"})
 
 
+# What the fuzz test inserts into valid input: line ends, NUL, superscript two in UTF-8 and
+# Latin-1, bytes that are not UTF-8, and the separators the parsers look for.
+FUZZ_INSERTIONS = [b"\r", b"\n", b"\r\n", b"\r\n\r\n", b"\0", "\u00b2".encode(), b"\xb2",
+                   b"\xff\xfe", b":", b";", b" ", b","]
+FUZZ_NUMBERS = [b"9" * 12, b"f" * 20, b"0" * 5000 + b"1", b"9" * 5000, b"-1", b"+1"]
+
+
+class ParserFuzzTest(unittest.TestCase):
+    """Random and mutated input into every parser: only andpush's own errors come out.
+
+    Fixed seeds, so a failure repeats; about a second in all. Anything else raised (an
+    IndexError, a TypeError, a UnicodeDecodeError...) is a bug in the parser.
+    """
+
+    def setUp(self) -> None:
+        self.rng = random.Random(20261130)
+
+    def random_bytes(self, most: int = 64) -> bytes:
+        return bytes(self.rng.randrange(256) for _ in range(self.rng.randrange(most)))
+
+    def mutations(self, valid: bytes, count: int) -> Iterator[bytes]:
+        """``count`` variants of ``valid``, each with one to four changes of these kinds."""
+        rng = self.rng
+        for _ in range(count):
+            data = bytearray(valid)
+            for _ in range(rng.randint(1, 4)):
+                where = rng.randrange(len(data) + 1)
+                change = rng.randrange(6)
+                if change == 0 and data:                                    # a bit flipped
+                    data[min(where, len(data) - 1)] ^= 1 << rng.randrange(8)
+                elif change == 1:                                           # cut short
+                    del data[where:]
+                elif change == 2:                                           # a piece lost
+                    del data[where:where + rng.randint(1, 9)]
+                elif change == 3:
+                    data[where:where] = rng.choice(FUZZ_INSERTIONS)
+                elif change == 4:
+                    data[where:where] = rng.choice(FUZZ_NUMBERS)
+                else:
+                    data[where:where] = self.random_bytes(9)
+            yield bytes(data)
+
+    def pieces(self, data: bytes) -> List[bytes]:
+        """``data`` cut at a few random places."""
+        cuts = sorted(self.rng.randrange(len(data) + 1) for _ in range(self.rng.randrange(4)))
+        return [data[start:end] for start, end in zip([0, *cuts], [*cuts, len(data)])]
+
+    def test_h1_reader(self) -> None:
+        answers = [data for _, data, _ in H1ReaderTest.ANSWERS]
+        inputs = [self.random_bytes() for _ in range(200)]
+        inputs += [b"HTTP/1.1 200 OK\r\n" + self.random_bytes() for _ in range(200)]
+        for answer in answers:
+            inputs.extend(self.mutations(answer, 500))
+        for data in inputs:
+            reader = andpush._H1Reader()
+            with self.subTest(data=data[:300]):
+                try:
+                    for piece in self.pieces(data):
+                        result = reader.feed(piece)
+                    if result is None:
+                        result = reader.eof()
+                except andpush._ProtocolError:
+                    continue
+                response, keep_alive = result
+                self.assertIsInstance(response.status_code, int)
+                self.assertIsInstance(response.body, bytes)
+                self.assertIsInstance(keep_alive, bool)
+
+    def test_retry_after(self) -> None:
+        words = ["0", "1", "7", "9", "60", "99999999999", "\u00b2", "\u0663", "\uff11", " ", "\t",
+                 "\n", ",", ":", "-", ".", "e", "GMT", "Sun", "Sunday", "Nov", "Feb", "1994",
+                 "94", "00", "29", "31", "08:49:37", "23:59:60", "inf", "nan", "1e999", "0x10",
+                 "9" * 400]
+        values = ["".join(self.rng.choice(words) for _ in range(self.rng.randrange(8)))
+                  for _ in range(3000)]
+        for valid in ["Sun, 06 Nov 1994 08:49:37 GMT", "Sunday, 06-Nov-94 08:49:37 GMT",
+                      "Sun Nov  6 08:49:37 1994", "120"]:
+            values.extend(data.decode("latin-1") for data in self.mutations(valid.encode(), 600))
+        for value in values:
+            with self.subTest(value=value[:300]):
+                seconds = andpush._retry_after(value)
+                if seconds is not None:
+                    self.assertIsInstance(seconds, float)
+                    self.assertGreaterEqual(seconds, 0.0)
+                    self.assertLessEqual(seconds, 2 ** 31)
+
+    def test_hpack_decoder(self) -> None:
+        valid = [bytes.fromhex(block) for block in [
+            "8286 8441 0f77 7777 2e65 7861 6d70 6c65 2e63 6f6d",                       # C.3.1
+            "8286 84be 5808 6e6f 2d63 6163 6865",                                      # C.3.2
+            "8287 85bf 400a 6375 7374 6f6d 2d6b 6579 0c63 7573 746f 6d2d 7661 6c75 65",
+            "8286 8441 8cf1 e3c2 e5f2 3a6b a0ab 90f4 ff",                              # C.4.1
+            "3fe11f 88 4003616263036465662003",
+        ]]
+        valid.append(_hpack_encode(ROUND_TRIP_HEADERS))
+        valid.append(b"\x04" + bytes((0x80 | 12,)) + huffman_encode(b"/v1/projects/x"))
+        blocks = [self.random_bytes() for _ in range(300)]
+        for block in valid:
+            blocks.extend(self.mutations(block, 600))
+        self.rng.shuffle(blocks)
+        decoder = _HPACKDecoder(4096)           # one table through it all, as on a connection
+        for block in blocks:
+            with self.subTest(block=block[:300]):
+                try:
+                    fields = decoder.decode(block)
+                except _HPACKError:
+                    continue
+                for name, value in fields:
+                    self.assertIsInstance(name, str)
+                    self.assertIsInstance(value, str)
+                self.assertLessEqual(decoder.size, decoder.capacity)
+
+    def h2_conversation(self) -> bytes:
+        """A server's side of a busy connection, after its SETTINGS: answers to streams 1 to 7."""
+        block = _hpack_encode([(":status", "200"), ("content-type", "application/json")])
+        return b"".join([
+            h2_settings((H2_MAX_CONCURRENT_STREAMS, 100), (H2_INITIAL_WINDOW_SIZE, 1 << 16)),
+            h2_frame(H2_HEADERS, H2_END_HEADERS, 1, b"\x88\x40\x01a\x01b"),
+            h2_frame(H2_DATA, H2_PADDED, 1, b"\x02{}\0\0"),
+            h2_frame(H2_DATA, H2_END_STREAM, 1, b""),
+            h2_frame(H2_HEADERS, H2_PRIORITY_FLAG, 3, bytes(5) + block[:2]),
+            h2_frame(H2_CONTINUATION, H2_END_HEADERS, 3, block[2:]),
+            h2_frame(H2_PING, 0, 0, b"12345678"),
+            h2_frame(H2_WINDOW_UPDATE, 0, 0, struct.pack(">I", 1000)),
+            h2_frame(H2_WINDOW_UPDATE, 0, 3, struct.pack(">I", 1000)),
+            h2_frame(H2_DATA, H2_END_STREAM, 3, b'{"name": "x"}'),
+            h2_frame(H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 5, b"\x8d\xbe"),
+            h2_frame(H2_RST_STREAM, 0, 7, struct.pack(">I", H2_REFUSED_STREAM)),
+            h2_frame(H2_GOAWAY, 0, 0, struct.pack(">II", 9, 0) + b"bye"),
+        ])
+
+    def frame_mutations(self, frames: List[Frame], count: int) -> Iterator[bytes]:
+        """``count`` variants of ``frames``, well framed but with types, flags, streams or
+        payloads changed, or frames lost, repeated or swapped: so that they reach past
+        the frame headers into each frame's handling."""
+        rng = self.rng
+        for _ in range(count):
+            variant = list(frames)
+            for _ in range(rng.randint(1, 3)):
+                where = rng.randrange(len(variant))
+                kind, flags, stream_id, payload = variant[where]
+                change = rng.randrange(7)
+                if change == 0:
+                    kind = rng.randrange(11)                  # 10: a type we do not know
+                elif change == 1:
+                    flags = rng.randrange(256)
+                elif change == 2:
+                    stream_id = rng.choice([0, 1, 2, 3, 5, 7, 9, 11, 2 ** 31 - 1, 2 ** 31 + 1])
+                elif change == 3:
+                    payload = next(self.mutations(payload, 1))[:16384]
+                elif change == 4:
+                    del variant[where]
+                    continue
+                elif change == 5:
+                    variant.insert(where, variant[where])
+                else:
+                    other = rng.randrange(len(variant))
+                    variant[where], variant[other] = variant[other], variant[where]
+                    continue
+                variant[where] = (kind, flags, stream_id, payload)
+            yield b"".join(h2_frame(*frame) for frame in variant)
+
+    def test_h2_connection(self) -> None:
+        conversation = self.h2_conversation()
+        inputs = [self.random_bytes(200) for _ in range(100)]
+        inputs += list(self.mutations(conversation, 500))
+        inputs += list(self.frame_mutations(h2_frames(conversation), 1000))
+        for data in inputs:
+            conn = andpush._H2Connection("fcm.googleapis.com", "https")
+            conn.receive(h2_settings())
+            keys = ["stream %d" % n for n in range(5)]
+            for key in keys:
+                conn.start("POST", "/v1/projects/p/messages:send", {}, b"x" * 100000, key, 1e9)
+            conn.wrote(len(conn.outgoing) // 2)
+            with self.subTest(data=data[:300]):
+                try:
+                    for piece in self.pieces(data):
+                        conn.receive(piece)
+                except andpush._H2Error as exc:
+                    conn.abort(exc)
+                conn.lost("the end of the test")
+                self.assertEqual(sorted(key for key, _ in conn.finished), keys)   # once each
+                for _, outcome in conn.finished:
+                    self.assertIsInstance(outcome, (andpush.Response, andpush.NetworkError,
+                                                    andpush._NotProcessed))
+
+
 # The HTTP v1 API: credentials, tokens, errors, topics #######################################
 
 class _NoLoop:
