@@ -439,11 +439,14 @@ class Response:
         return self.body.decode("utf-8", "replace")
 
     def json(self) -> Any:
-        """The body parsed as JSON, once; ValueError when the body is not JSON."""
+        """The body parsed as JSON, once; ValueError when the body is not JSON.
+
+        A body nested too deeply for the json module (RecursionError) counts as not JSON.
+        """
         if self._json is _UNPARSED:
             try:
                 self._json = json.loads(self.body)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ValueError(
                     "the response body is not JSON (content-type %r); read .body instead"
                     % self.headers.get("content-type", "")

@@ -3668,6 +3668,71 @@ class ParserFuzzTest(unittest.TestCase):
                     self.assertIsInstance(outcome, (andpush.Response, andpush.NetworkError,
                                                     andpush._NotProcessed))
 
+    def random_json(self, depth: int = 0) -> Any:
+        """A JSON value with the names an error envelope has, of any type at any depth."""
+        rng = self.rng
+        kind = rng.randrange(8 if depth < 4 else 5)
+        if kind == 0:
+            return rng.choice([None, True, False])
+        if kind == 1:
+            return rng.choice([0, -1, 404, 2 ** 70, 1.5, -0.0])
+        if kind == 2:
+            return rng.choice(["", "UNREGISTERED", "NOT_FOUND", "INTERNAL", "\u00b2", "x" * 500,
+                               andpush._FCM_ERROR_TYPE, "\ud800"])
+        if kind == 3:
+            return [rng.randrange(1000) for _ in range(rng.randrange(4))]
+        if kind == 4:
+            return {}
+        if kind == 5:
+            return [self.random_json(depth + 1) for _ in range(rng.randrange(4))]
+        names = ["error", "code", "message", "status", "details", "@type", "errorCode",
+                 "results", "x"]
+        return {rng.choice(names): self.random_json(depth + 1) for _ in range(rng.randrange(6))}
+
+    def error_bodies(self) -> Iterator[bytes]:
+        rng = self.rng
+        for _ in range(1000):
+            envelope = {name: self.random_json(1) for name in
+                        rng.sample(["code", "message", "status", "details"], rng.randrange(5))}
+            if rng.random() < 0.5:
+                envelope["details"] = rng.choice([
+                    {"@type": andpush._FCM_ERROR_TYPE, "errorCode": "UNREGISTERED"},
+                    [1, 2, 3], [{"@type": andpush._FCM_ERROR_TYPE,
+                                 "errorCode": self.random_json(3)}], "details"])
+            body = rng.choice([{"error": envelope}, {"error": self.random_json(1)},
+                               self.random_json()])
+            yield json.dumps(body).encode("utf-8", "surrogatepass")
+        yield from [b"", b"null", b"\xff\xfe{}", b'"\\ud800"', b"NaN", b"1" * 5000,
+                    b"[" * 100000, b'{"error": ' * 50000]
+        yield from self.mutations(b'{"error": {"code": 404, "message": "x", "status": '
+                                  b'"NOT_FOUND", "details": [{"@type": "%s", "errorCode": '
+                                  b'"UNREGISTERED"}]}}' % andpush._FCM_ERROR_TYPE.encode(), 800)
+
+    def test_json_nested_too_deep_is_not_json(self) -> None:
+        # The json module recurses once per level: a server's body must not exhaust the stack.
+        for body in [b"[" * 100000, b'{"error": ' * 50000]:
+            response = andpush.Response(500, "", andpush.Headers({}), body)
+            with self.assertRaisesRegex(ValueError, "not JSON"):
+                response.json()
+            self.assertIsInstance(andpush._http_error(response), andpush.InternalError)
+
+    def test_json_bodies_and_http_errors(self) -> None:
+        for body in self.error_bodies():
+            status = self.rng.choice([0, 200, 400, 401, 403, 404, 429, 500, 503, 600, 999])
+            headers = {"content-type": "application/json",
+                       "retry-after": self.rng.choice(["", "1", "x", "\u00b2", "9" * 400])}
+            with self.subTest(status=status, body=body[:100]):
+                response = andpush.Response(status, "Reason", andpush.Headers(headers), body)
+                try:
+                    response.json()
+                except ValueError:
+                    pass
+                error = andpush._http_error(
+                    andpush.Response(status, "Reason", andpush.Headers(headers), body))
+                self.assertIsInstance(error, andpush.HTTPError)
+                self.assertTrue(str(error).startswith("HTTP %d Reason" % status))
+                self.assertIsInstance(error.error_code, (str, type(None)))
+
 
 # The HTTP v1 API: credentials, tokens, errors, topics #######################################
 
