@@ -3565,8 +3565,8 @@ class ParserFuzzTest(unittest.TestCase):
                 seconds = andpush._retry_after(value)
                 if seconds is not None:
                     self.assertIsInstance(seconds, float)
-                    self.assertGreaterEqual(seconds, 0.0)
-                    self.assertLessEqual(seconds, 2 ** 31)
+                    self.assertGreaterEqual(seconds, 0.0)            # not NaN either
+                    self.assertLess(seconds, float("inf"))
 
     def test_hpack_decoder(self) -> None:
         valid = [bytes.fromhex(block) for block in [
