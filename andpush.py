@@ -449,11 +449,14 @@ class Response:
         return self.body.decode("utf-8", "replace")
 
     def json(self) -> Any:
-        """The body parsed as JSON, once; ValueError when the body is not JSON."""
+        """The body parsed as JSON, once; ValueError when the body is not JSON.
+
+        A body nested too deeply for the json module (RecursionError) counts as not JSON.
+        """
         if self._json is _UNPARSED:
             try:
                 self._json = json.loads(self.body)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ValueError(
                     "the response body is not JSON (content-type %r); read .body instead"
                     % self.headers.get("content-type", "")
@@ -817,10 +820,13 @@ class _H1Reader:
         return response, self._keep and not self._buffer
 
     def _line(self, what: str) -> Optional[bytes]:
-        """The next CRLF-terminated line (consumed), or None until it is whole."""
-        end = self._buffer.find(b"\r\n")
+        """The next CRLF-terminated line (consumed), or None until it is whole.
+
+        The line with its CRLF may take _MAX_HEAD bytes, however the bytes arrived.
+        """
+        end = self._buffer.find(b"\r\n", 0, _MAX_HEAD)
         if end < 0:
-            if len(self._buffer) > _MAX_HEAD:
+            if len(self._buffer) >= _MAX_HEAD:
                 raise _ProtocolError("%s exceeds %d bytes" % (what, _MAX_HEAD))
             return None
         line = bytes(self._buffer[:end])
@@ -828,9 +834,9 @@ class _H1Reader:
         return line
 
     def _read_head(self) -> bool:
-        end = self._buffer.find(b"\r\n\r\n")
+        end = self._buffer.find(b"\r\n\r\n", 0, _MAX_HEAD)  # the blank line within the limit
         if end < 0:
-            if len(self._buffer) > _MAX_HEAD:
+            if len(self._buffer) >= _MAX_HEAD:
                 raise _ProtocolError("the response head exceeds %d bytes" % _MAX_HEAD)
             return False
         lines = self._buffer[:end].decode("latin-1").split("\r\n")
@@ -930,10 +936,11 @@ def _parse_header_lines(lines: List[str]) -> Dict[str, str]:
 def _content_length(value: str) -> int:
     if not _is_digits(value):
         raise _ProtocolError("bad Content-Length %r" % value[:20])
-    length = int(value)
-    if length > _MAX_BODY:
-        raise _ProtocolError("response body of %d bytes exceeds %d" % (length, _MAX_BODY))
-    return length
+    digits = value.lstrip("0") or "0"
+    # Checked before int(), which refuses thousands of digits (Python 3.11+).
+    if len(digits) > len(str(_MAX_BODY)) or int(digits) > _MAX_BODY:
+        raise _ProtocolError("Content-Length %.20s exceeds %d bytes" % (digits, _MAX_BODY))
+    return int(digits)
 
 
 # HPACK #######################################################################
@@ -1565,7 +1572,7 @@ class _H2Connection:
             if status[0] != "1":
                 stream.status = int(status)
                 for name, value in fields:
-                    if name[0] != ":":
+                    if not name.startswith(":"):  # a name may be empty
                         old = stream.headers.get(name)
                         stream.headers[name] = value if old is None else old + ", " + value
         if end_stream:
@@ -1635,6 +1642,10 @@ class _H2Connection:
     # Ending streams -------------------------------------------------------------
 
     def _complete(self, stream: _H2Stream) -> None:
+        if not stream.status:  # DATA before HEADERS, or only a 1xx: no answer at all
+            self._reset(stream, NetworkError("the server ended the stream without a :status",
+                                             may_have_been_delivered=True))
+            return
         response = Response(stream.status, "", Headers(stream.headers), bytes(stream.body))
         self._finish(stream.id, response)
 
