@@ -1724,9 +1724,9 @@ class SecretsTest(ServerTestCase):
 class ProxyTest(ServerTestCase):
     def test_connect_tunnel_with_credentials(self) -> None:
         with ConnectProxy() as proxy:
-            client = self.client(proxy="http://user:secret@127.0.0.1:%d" % proxy.port)
-            client.push(LEGACY_MESSAGE)
-            client.push(LEGACY_MESSAGE)
+            with self.client(proxy="http://user:secret@127.0.0.1:%d" % proxy.port) as client:
+                client.push(LEGACY_MESSAGE)
+                client.push(LEGACY_MESSAGE)  # the tunnel is closed before the proxy stops
         self.assertEqual(proxy.targets, ["127.0.0.1:%d" % self.server.port])
         basic = "Basic " + base64.b64encode(b"user:secret").decode()
         self.assertEqual(proxy.authorizations, [basic])
@@ -1735,10 +1735,12 @@ class ProxyTest(ServerTestCase):
     def test_https_proxy_and_no_proxy_from_the_environment(self) -> None:
         with ConnectProxy() as proxy:
             with environment(HTTPS_PROXY="http://127.0.0.1:%d" % proxy.port, NO_PROXY=""):
-                self.client().push(LEGACY_MESSAGE)
+                with self.client() as client:
+                    client.push(LEGACY_MESSAGE)
             with environment(HTTPS_PROXY="http://127.0.0.1:%d" % proxy.port,
                              NO_PROXY="example.com,127.0.0.1"):
-                self.client().push(LEGACY_MESSAGE)
+                with self.client() as client:
+                    client.push(LEGACY_MESSAGE)
         self.assertEqual(len(proxy.targets), 1)
         self.assertEqual(self.server.processed, 2)
 
@@ -4118,7 +4120,10 @@ class TokenTest(V1TestCase):
 
     def test_token_endpoint_5xx_is_retried_briefly(self) -> None:
         self.server.inject(Reply(503, body=b""), Reply(500, body=b""))
-        self.v1_client().push(V1_MESSAGE)
+        client = self.v1_client()
+        clock = FakeClock.install(client)
+        client.push(V1_MESSAGE)
+        self.assertEqual(len(clock.sleeps), 2)
         self.assertEqual(len(self.server.issued), 1)
         self.assertEqual(self.server.processed, 4)
 
@@ -4243,8 +4248,11 @@ class ApplicationDefaultCredentialsTest(unittest.TestCase):
 
     def test_nothing_found_says_what_was_tried(self) -> None:
         self.metadata.close()
+        client = self.client(project_id="p")
+        clock = FakeClock.install(client)
         with self.assertRaises(andpush.AuthError) as caught:
-            self.client(project_id="p").push(V1_MESSAGE)
+            client.push(V1_MESSAGE)
+        self.assertEqual(len(clock.sleeps), andpush._TOKEN_RETRIES)  # connect refused, twice
         message = str(caught.exception)
         self.assertIn("GOOGLE_APPLICATION_CREDENTIALS", message)
         self.assertIn("application_default_credentials.json", message)
