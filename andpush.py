@@ -11,24 +11,30 @@
         for outcome in client.push_many(messages, concurrency=100):
             ...                           # a Response, or the error for that message
 
-One module, standard library only, Python 3.8+. Pushes go over kept-alive HTTPS
-connections from a thread-safe, fork-safe pool, so one TLS handshake serves any
-number of messages; push_many multiplexes them over HTTP/2 when the server offers it;
-the OAuth2 tokens of the HTTP v1 API are signed in pure Python.
+One module, standard library only, Python 3.8+. Every request of a client goes
+through its one I/O thread, which keeps the connections alive for the client's life:
+over HTTP/2 (what FCM picks) every thread's pushes and push_many share a few
+multiplexed connections, up to the server's stream limit; over HTTP/1.1 each request
+takes a kept-alive connection of its own. The OAuth2 tokens of the HTTP v1 API are
+signed in pure Python.
 
 ``andpush.new(server_key)`` makes a client of the legacy API instead
 (``andpush.build`` is another name for ``new``).
 
-The life of a pooled connection (each edge is what moves it)::
+The life of a connection (each edge is what moves it)::
 
-    connect() --> IN_USE --response read, keep-alive--> IDLE
-                   |  ^                                  |
-                   |  +-------- get(): still alive ------+
-                   |                                     |
-      error, timeout, Connection: close    idle too long, closed by the server,
-                   |                       or created before os.fork()
-                   v                                     v
-                 CLOSED <--------------------------------+
+    connect (on a thread of its own: TCP, CONNECT tunnel, TLS with ALPN)
+      |
+      +-- h2 --> WAITING_FOR_SETTINGS --SETTINGS--> OPEN --any GOAWAY--> GOING_AWAY
+      |            | none in time                     | broken, idle too  | last stream
+      |            v                                  v long, os.fork()   v ends
+      |          CLOSED <-----------------------------+-------------------+
+      |
+      +-- http/1.1 --> IDLE --request--> BUSY --answer, kept alive--> IDLE
+                         | idle too long, | error, timeout,
+                         | closed by the  | Connection: close
+                         v server, fork   v
+                       CLOSED           CLOSED
 
 Errors form one tree; each says whose fault it is::
 
@@ -2084,11 +2090,11 @@ class _Loop:
             if not closed and not inbox and self._is_idle():
                 self._thread = None
                 return False
+        for work in inbox:  # on close too: a socket just connected is in there
+            work()
         if closed:
             self._abandon("the client was closed")
             return False
-        for work in inbox:
-            work()
         now = self.policy.clock.now()
         self._fire_timers(now)
         self._feed_batches()
