@@ -613,7 +613,7 @@ class _Clock:
         return seconds
 
 
-class _Headers(Protocol):
+class _Signer(Protocol):
     """Who signs a request: the API's fixed key, or the current access token."""
 
     def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]: ...
@@ -636,7 +636,7 @@ class _Exchange:
                  "link", "timeout", "deadline")
 
     def __init__(self, route: "_Route", method: str, path: str, body: bytes, retry: _Retry,
-                 *, signer: Optional[_Headers] = None, headers: Optional[Dict[str, str]] = None,
+                 *, signer: Optional[_Signer] = None, headers: Optional[Dict[str, str]] = None,
                  paced: bool = False) -> None:
         self.route = route
         self.method = method
@@ -1968,7 +1968,7 @@ class _Loop:
         self._timers: List[Tuple[float, int, Callable[[_Exchange], None], _Exchange]] = []
         self._timer_seq = 0
         self._needs_token: List[_Exchange] = []
-        self._refreshing: List[_Headers] = []
+        self._refreshing: List[_Signer] = []
         self._dirty: List[_Link] = []
 
     # Any thread -------------------------------------------------------------------
@@ -2275,7 +2275,7 @@ class _Loop:
         headers, exchange.token = signed
         return headers
 
-    def _refresh(self, signer: _Headers) -> None:
+    def _refresh(self, signer: _Signer) -> None:
         """On a thread of its own: fetch a token, then let the loop start who waited for it."""
         try:
             result: Union[Tuple[Dict[str, str], str], Error] = signer.headers()
@@ -2283,7 +2283,7 @@ class _Loop:
             result = exc
         self._post(lambda: self._refreshed(signer, result))
 
-    def _refreshed(self, signer: _Headers,
+    def _refreshed(self, signer: _Signer,
                    result: Union[Tuple[Dict[str, str], str], Error]) -> None:
         """Start, with the token just fetched, every exchange that waited for it."""
         self._refreshing.remove(signer)
@@ -2350,7 +2350,7 @@ class _Loop:
                 if isinstance(link, _H2Link):
                     link.pinged = False
                     link.conn.receive(data)
-                elif not self._h1_received(link, data):  # type: ignore[arg-type]
+                elif isinstance(link, _H1Link) and not self._h1_received(link, data):
                     return
         except _H2Error as exc:
             assert isinstance(link, _H2Link)
@@ -2459,10 +2459,11 @@ class _Loop:
         link.events = 0
         link.sock.close()
         route = link.route
-        for links in (route.h2, route.idle, route.busy):
-            if link in links:
-                links.remove(link)  # type: ignore[arg-type]
-        if isinstance(link, _H2Link):
+        if isinstance(link, _H1Link):
+            (route.busy if link in route.busy else route.idle).remove(link)
+        else:
+            assert isinstance(link, _H2Link)
+            route.h2.remove(link)
             finished, link.conn.finished = link.conn.finished, []
             for key, result in reversed(finished):
                 assert isinstance(key, _Exchange)
