@@ -2615,8 +2615,9 @@ class _Batch:
         """The prepared exchanges that may start now, within ``concurrency``."""
         with self._condition:
             if self._discarded:  # taken from the input, never sent: nobody waits for them
+                for exchange in self._prepared:
+                    del self._items_out[exchange.index]
                 self._prepared.clear()
-                self._items_out.clear()
                 return []
             room = self.concurrency - self._in_flight
             taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
@@ -4586,7 +4587,7 @@ def _cmd_send_many(args: "argparse.Namespace") -> int:
                 failure = _record_all(outcomes, tally, field)
         except _SecondSignal as second:
             tally.stopped = _SIGNAL_WORDS[second.signum] + " again"
-            unknown = outcomes.taken - tally.recorded
+            unknown = outcomes.taken - tally.sent - tally.failed
             return _SIGNAL_STATUS[second.signum]
         finally:
             progress.finish(tally.sent + tally.failed, tally.failed)
@@ -4859,7 +4860,6 @@ class _Tally:
         self.sent = 0
         self.failures: Dict[str, int] = {}
         self.unregistered = 0
-        self.recorded = 0       # outcomes counted and written
         self.stopped: Optional[str] = None  # why the run stopped early, if it did
         self.output_closed = False  # a file's reader went away (a closed pipe)
         self._results = results
@@ -4884,7 +4884,6 @@ class _Tally:
         self._results = self._write(self._results, json.dumps(record))
         if code in _UNREGISTERED_CODES:
             self._unregistered_file = self._write(self._unregistered_file, token)
-        self.recorded += 1
 
     def _write(self, file: Optional[TextIO], line: str) -> Optional[TextIO]:
         """Write a line to ``file``; the file, or None if its reader went away."""
