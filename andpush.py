@@ -8,7 +8,7 @@
             "notification": {"title": "Update", "body": "Ready"},
         })
         print(response.json()["name"])
-        for outcome in client.push_many(messages, concurrency=100):
+        for message, outcome in client.push_many(messages, concurrency=100):
             ...                           # a Response, or the error for that message
 
 One module, standard library only, Python 3.8+. Every request of a client goes
@@ -2580,7 +2580,12 @@ class _Batch:
     A feeder thread reads the input (which may block: a generator over a database cursor)
     and prepares exchanges, at most ``window`` ahead of the consumer, so memory stays
     bounded however many items there are. The I/O loop takes them, ``concurrency`` in
-    flight at most, and hands back their outcomes.
+    flight at most, and hands back their outcomes; each is kept with its item until the
+    consumer takes the pair.
+
+    Reading ends with the input, or early: ``stop`` ends it and no more (every item
+    already read is still sent, and its pair still comes); ``discard`` also drops the
+    exchanges not yet started and forgets the consumer, who is gone.
     """
 
     def __init__(
@@ -2599,31 +2604,30 @@ class _Batch:
         self._progress = progress
         self._condition = threading.Condition()
         self._prepared: Deque[_Exchange] = collections.deque()
-        self._outcomes: Dict[int, Outcome] = {}
+        self._items_out: Dict[int, Any] = {}  # the item of each exchange not yet ended
+        self._outcomes: Dict[int, Tuple[Any, Outcome]] = {}
         self._read = 0          # items taken from the input
-        self._yielded = 0       # outcomes handed to the consumer
+        self._yielded = 0       # pairs handed to the consumer
         self._in_flight = 0     # exchanges the loop has started and not ended
         self._done = 0
         self._failed = 0
-        self._exhausted = False
-        self._stopped = False
+        self._reading = True    # the feeder may take more items
+        self._discarded = False
         self._loop_waits = False  # the loop found nothing prepared and wants a wake
-        self._abandoned = ""      # why the loop gave the batch up, if it did
-        self._error: Optional[BaseException] = None
+        self._error: Optional[BaseException] = None  # raised after the last pair
 
     # The feeder thread ------------------------------------------------------------
 
     def feed(self) -> None:
-        """Read the input and prepare exchanges until it ends or the batch is stopped."""
+        """Read the input and prepare exchanges until it ends or reading is stopped."""
         while True:
             with self._condition:
-                while not self._stopped and not self._abandoned and (
+                while self._reading and (
                         len(self._prepared) >= self.concurrency
                         or self._read - self._yielded >= self._window):
                     self._condition.wait()
-                if self._stopped or self._abandoned:
+                if not self._reading:
                     return
-                index = self._read
             try:
                 item = next(self._items)
             except StopIteration:
@@ -2632,22 +2636,24 @@ class _Batch:
             except BaseException as exc:  # the caller's generator failed: hand it over
                 self._end_of_input(exc)
                 return
-            self._prepare(index, item)
+            self._prepare(item)
 
-    def _prepare(self, index: int, item: Any) -> None:
+    def _prepare(self, item: Any) -> None:
         try:
             exchange: Optional[_Exchange] = self._make(item)
         except (Error, TypeError, ValueError) as exc:
             exchange, bad = None, exc
         with self._condition:
+            if not self._reading:  # stopped while the input was being read: not sent
+                return
+            index = self._read
             self._read += 1
             if exchange is None:
-                self._store(index, bad)
-            elif self._abandoned:  # taken while the loop went away: it goes no further
-                self._store(index, NetworkError(self._abandoned, may_have_been_delivered=False))
+                self._store(index, item, bad)
             else:
                 exchange.index = index
                 exchange.on_done = self._finished
+                self._items_out[index] = item
                 self._prepared.append(exchange)
             wake, self._loop_waits = self._loop_waits, False
         if wake:
@@ -2655,8 +2661,9 @@ class _Batch:
 
     def _end_of_input(self, error: Optional[BaseException]) -> None:
         with self._condition:
-            self._exhausted, self._error = True, error
-            self._condition.notify_all()
+            if self._reading:
+                self._reading, self._error = False, error
+                self._condition.notify_all()
         self.route.loop.wake()
 
     # The I/O loop's thread --------------------------------------------------------
@@ -2664,8 +2671,10 @@ class _Batch:
     def ready(self) -> List[_Exchange]:
         """The prepared exchanges that may start now, within ``concurrency``."""
         with self._condition:
-            if self._stopped:
-                self._prepared.clear()  # taken from the input, never sent: no outcome due
+            if self._discarded:  # taken from the input, never sent: nobody waits for them
+                for exchange in self._prepared:
+                    del self._items_out[exchange.index]
+                self._prepared.clear()
                 return []
             room = self.concurrency - self._in_flight
             taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
@@ -2678,40 +2687,38 @@ class _Batch:
     def ended(self) -> bool:
         """Whether the loop may forget the batch: nothing left to read, start or end."""
         with self._condition:
-            return (self._stopped or self._exhausted) and not self._prepared and (
-                not self._in_flight)
+            return not self._reading and not self._prepared and not self._in_flight
 
     def _finished(self, exchange: _Exchange) -> None:
         assert exchange.outcome is not None
         with self._condition:
             self._in_flight -= 1
-            self._store(exchange.index, exchange.outcome)
+            self._store(exchange.index, self._items_out.pop(exchange.index, None),
+                        exchange.outcome)
             self._note_room()
 
     def _note_room(self) -> None:
         """Whether the loop, with room and nothing prepared, waits for the feeder's wake
         (the condition is held)."""
         self._loop_waits = (not self._prepared and self._in_flight < self.concurrency
-                            and not self._exhausted)
+                            and self._reading)
 
     def abandon(self, reason: str) -> None:
-        """The loop is gone: the prepared exchanges end unsent, and the batch reads no more
-        (the consumer gets the outcomes due, then a NetworkError if input was left)."""
+        """The loop is gone: the prepared exchanges end unsent, and so does the reading
+        (the exchanges in flight get their outcomes from the loop)."""
         with self._condition:
-            self._abandoned = reason
             for exchange in self._prepared:
-                self._store(exchange.index,
+                self._store(exchange.index, self._items_out.pop(exchange.index, None),
                             NetworkError(reason, may_have_been_delivered=False))
             self._prepared.clear()
-            self._in_flight = 0
-            if not self._exhausted:
-                self._exhausted = True
-                self._error = NetworkError(reason + "; the rest was not read",
-                                           may_have_been_delivered=False)
+            if self._reading:
+                self._reading = False
+                self._error = NetworkError(reason, may_have_been_delivered=False)
+            self._condition.notify_all()
 
-    def _store(self, index: int, outcome: Outcome) -> None:
-        """Keep an outcome for the consumer (the condition is held)."""
-        self._outcomes[index] = outcome
+    def _store(self, index: int, item: Any, outcome: Outcome) -> None:
+        """Keep an item's outcome for the consumer (the condition is held)."""
+        self._outcomes[index] = (item, outcome)
         self._done += 1
         self._failed += isinstance(outcome, Exception)
         self._condition.notify_all()
@@ -2720,27 +2727,53 @@ class _Batch:
 
     # The consumer -----------------------------------------------------------------
 
-    def next_outcome(self) -> Outcome:
+    def next_pair(self) -> Tuple[Any, Outcome]:
+        """The next (item, outcome) in input order, once it has ended; StopIteration
+        after the last item read, or the input's error if it failed."""
         with self._condition:
             while self._yielded not in self._outcomes:
-                if self._stopped:
-                    raise StopIteration
-                if self._exhausted and self._yielded == self._read:
-                    if self._error is not None:
-                        error, self._error = self._error, None
+                if not self._reading and self._yielded == self._read:
+                    error, self._error = self._error, None
+                    if error is not None:
                         raise error
                     raise StopIteration
                 self._condition.wait()
-            if self._stopped:
-                raise StopIteration
-            outcome = self._outcomes.pop(self._yielded)
-            self._yielded += 1
-            self._condition.notify_all()
-            return outcome
+            return self._take(1)[0]
+
+    def taken(self) -> int:
+        with self._condition:
+            return self._read
+
+    def rest(self) -> List[Tuple[Any, Outcome]]:
+        """Every pair not yet handed out, once all have ended (reading must be stopped).
+
+        Nothing is taken until all are there, so an interruption of the wait (Ctrl-C)
+        loses none: they are still there for the next call."""
+        with self._condition:
+            while len(self._outcomes) < self._read - self._yielded:
+                self._condition.wait()
+            return self._take(len(self._outcomes))
+
+    def _take(self, count: int) -> List[Tuple[Any, Outcome]]:
+        """Hand out the next ``count`` pairs, which are there (the condition is held)."""
+        pairs = [self._outcomes.pop(self._yielded + i) for i in range(count)]
+        self._yielded += count
+        self._condition.notify_all()
+        return pairs
 
     def stop(self) -> None:
+        """Read no more: what was read is still sent, and its pairs are the last; the
+        input's error, if it failed meanwhile, is not raised (the consumer stopped first)."""
         with self._condition:
-            self._stopped = True
+            self._reading, self._error = False, None
+            self._condition.notify_all()
+        with contextlib.suppress(ValueError):
+            self.route.loop.wake()
+
+    def discard(self) -> None:
+        """The consumer is gone: read no more, and start nothing more."""
+        with self._condition:
+            self._reading, self._discarded = False, True
             self._condition.notify_all()
         with contextlib.suppress(ValueError):
             self.route.loop.wake()
@@ -3748,15 +3781,24 @@ class Client:
         *,
         concurrency: int = DEFAULT_CONCURRENCY,
         progress: Optional[Callable[[int, int], None]] = None,
-    ) -> Iterator[Outcome]:
-        """Send many messages at once; yield one outcome per message, in input order.
+    ) -> Iterator[Tuple[Any, Outcome]]:
+        """Send many messages at once; yield a ``(message, outcome)`` pair per message, in
+        input order: ``message`` is the very object taken from ``messages``.
 
         An outcome is the Response, or the exception ``push()`` would have raised (an
         andpush.Error, or the TypeError/ValueError of a bad message, which is not sent).
-        ``messages`` is read lazily, on a thread of its own; closing or dropping the
-        iterator stops sending what has not started. Over HTTP/2 the messages share the
-        client's connections, up to each server's stream limit. ``progress(done, failed)``
-        is called from andpush's threads.
+        ``messages`` is read lazily, on a thread of its own, so the pairs always cover the
+        messages read so far, a prefix of the input.
+
+        Stopping early keeps the record of what was sent. ``close()`` on the iterator
+        stops reading and returns the pairs not yet yielded, after every message already
+        read has been sent and answered (each within the request timeout); ``stop()``
+        stops reading and lets the iteration go on to the last of them. After an
+        exception in the loop (Ctrl-C too), either still gives the rest. Dropping the
+        iterator stops reading and starts nothing more, without waiting.
+
+        Over HTTP/2 the messages share the client's connections, up to each server's
+        stream limit. ``progress(done, failed)`` is called from andpush's threads.
         """
         _check_number("concurrency", concurrency, minimum=1, integer=True)
         return self._batch(messages, lambda m: self._exchange(m, False), concurrency, progress)
@@ -3814,7 +3856,7 @@ class Client:
 
         concurrency = min(len(tokens), DEFAULT_CONCURRENCY) or 1
         return [_already_subscribed(outcome)
-                for outcome in self._batch(tokens, manage, concurrency, None)]
+                for _, outcome in self._batch(tokens, manage, concurrency, None)]
 
     def _batch(
         self,
@@ -3837,28 +3879,39 @@ def _already_subscribed(outcome: Outcome) -> Outcome:
     return outcome
 
 
-class _Outcomes(Iterator[Outcome]):
-    """What push_many returns: the outcomes in input order, as the I/O thread ends them.
+class _Outcomes(Iterator[Tuple[Any, Outcome]]):
+    """What push_many returns: a ``(message, outcome)`` pair per message, in input order,
+    as the I/O thread ends them.
 
-    Closing or dropping it stops the sending of what has not started.
+    ``close()`` stops reading the input and returns the pairs not yet yielded, once every
+    message already read has been sent and answered; ``stop()`` stops reading and lets the
+    iteration go on to the last of them. Dropping the iterator stops reading and sends
+    nothing more, without waiting: nobody is left to receive those outcomes.
     """
 
     def __init__(self, batch: "_Batch") -> None:
         self._batch = batch
 
-    def __next__(self) -> Outcome:
-        try:
-            return self._batch.next_outcome()
-        except BaseException:
-            self.close()
-            raise
+    def __next__(self) -> Tuple[Any, Outcome]:
+        return self._batch.next_pair()
 
-    def close(self) -> None:
-        """Stop sending what has not started; outcomes not yet yielded are dropped."""
+    @property
+    def taken(self) -> int:
+        """How many messages were read from the input: each has, or will have, a pair."""
+        return self._batch.taken()
+
+    def stop(self) -> None:
+        """Read no more messages; the iteration ends after the last one already read."""
         self._batch.stop()
 
+    def close(self) -> List[Tuple[Any, Outcome]]:
+        """Read no more messages, and return the pairs not yet yielded: those of every
+        message already read, each sent and answered (within the request timeout)."""
+        self._batch.stop()
+        return self._batch.rest()
+
     def __del__(self) -> None:
-        self.close()
+        self._batch.discard()
 
 
 def new(
@@ -3993,6 +4046,7 @@ _EXIT_TEMPFAIL = 75      # EX_TEMPFAIL: the network or FCM is down: try again la
 _EXIT_NOPERM = 77        # EX_NOPERM: no or refused credentials, no permission or project
 _EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
 _EXIT_CLOSED_OUTPUT = 141  # stdout's reader went away (| head): 128 + SIGPIPE, as shells
+_EXIT_TERMINATED = 143   # SIGTERM (systemd, docker, Kubernetes stopping it): 128 + SIGTERM
 
 _SERVER_KEY_VARIABLE = "ANDPUSH_SERVER_KEY"
 _CHECK_TOPIC = "andpush-check"  # the topic `andpush check` validates a message for
@@ -4036,8 +4090,9 @@ exit status:
   2    usage error: a wrong option, file or message; fix the command
   75   the network or FCM is down (after the retries): try again later
   77   credentials missing or refused, no permission, or no such project: fix the setup
-  130  interrupted (Ctrl-C); what was not sent yet was not sent
+  130  interrupted (Ctrl-C): every message sent is recorded, the rest was not sent
   141  the output was closed (as by `| head`); sending stopped there
+  143  terminated (SIGTERM): as for 130
 Run 'andpush COMMAND --help' for a command's options."""
 
 
@@ -4086,8 +4141,11 @@ def _parser() -> "argparse.ArgumentParser":
 
     many = command("send-many", "send one message to many device tokens", "Send the same "
                    "message to every device token of a file, many at once. Progress and a "
-                   "summary go to stderr. Ctrl-C stops cleanly: what was not sent yet is not "
-                   "sent, the summary so far is printed, and the exit status is 130.")
+                   "summary go to stderr. Ctrl-C or SIGTERM stops cleanly: no more tokens are "
+                   "taken, every message already sent is answered and recorded, the summary "
+                   "says how many were sent, failed and not sent, and the exit status is 130 "
+                   "(143 for SIGTERM). A second one ends at once, saying how many outcomes "
+                   "are unknown.")
     many.add_argument("--tokens", metavar="FILE", required=True,
                       help="the device tokens, one a line (- reads stdin); blank lines and "
                       "lines starting with # are skipped")
@@ -4598,33 +4656,51 @@ def _cmd_send_many(args: "argparse.Namespace") -> int:
         progress = _Progress(sys.stderr, None if args.quiet else _count_tokens(args.tokens),
                              args.quiet)
         tally = _Tally(results, dead)
-        pending: Deque[str] = collections.deque()  # tokens taken, their outcomes not yet seen
-
-        def messages() -> Iterator[Dict[str, Any]]:
-            for token in _tokens_in(lines, args.tokens):
-                pending.append(token)
-                yield dict(template, **{field: token})
-
-        outcomes = client.push_many(messages(), concurrency=args.concurrency,
+        messages = (dict(template, **{field: token})
+                    for token in _tokens_in(lines, args.tokens))
+        outcomes = client.push_many(messages, concurrency=args.concurrency,
                                     progress=progress.update)
+        assert isinstance(outcomes, _Outcomes)
+        signals = _StopOnSignals(outcomes)
+        unknown = 0
         try:
-            for outcome in outcomes:
-                tally.add(pending.popleft(), outcome)
-                if isinstance(outcome, Exception) and _stops_the_run(outcome, tally.sent):
-                    raise outcome
-        except KeyboardInterrupt:
-            tally.stopped = "interrupted"
-        except BrokenPipeError:  # --results - or --unregistered - into a reader that left
-            tally.stopped = "the output was closed"
-            raise  # main() exits quietly
+            with signals:
+                failure = _record_all(outcomes, tally, field)
+        except _SecondSignal as second:
+            tally.stopped = _SIGNAL_WORDS[second.signum] + " again"
+            unknown = outcomes.taken - tally.sent - tally.failed
+            return _SIGNAL_STATUS[second.signum]
         finally:
-            if isinstance(outcomes, _Outcomes):  # push_many's iterator: stop the sending
-                outcomes.close()
             progress.finish(tally.sent + tally.failed, tally.failed)
-            tally.report(args.unregistered)
-    if tally.stopped:  # by Ctrl-C: a closed output raised BrokenPipeError on to main()
-        return _EXIT_INTERRUPTED
+            if signals.received is not None and not tally.stopped:
+                tally.stopped = _SIGNAL_WORDS[signals.received]
+            tally.report(args.unregistered, unknown,
+                         _count_tokens(args.tokens) if tally.stopped else None)
+    if failure is not None:
+        raise failure
+    if signals.received is not None:
+        return _SIGNAL_STATUS[signals.received]
+    if tally.output_closed:
+        _discard_stdout()
+        return _EXIT_CLOSED_OUTPUT
     return _EXIT_FAILED if tally.failed else _EXIT_OK
+
+
+def _record_all(outcomes: _Outcomes, tally: "_Tally", field: str) -> Optional[Exception]:
+    """Record every message's outcome. A failure that would fail all the rest, or an
+    output that was closed, stops the taking of tokens; what was taken is still recorded.
+    Returns the failure that stopped the run, if one did."""
+    failure = None
+    for message, outcome in outcomes:
+        tally.add(message[field], outcome)
+        if isinstance(outcome, Exception) and _stops_the_run(outcome, tally.sent):
+            failure = outcome
+            break
+        if tally.output_closed:
+            break
+    for message, outcome in outcomes.close():
+        tally.add(message[field], outcome)
+    return failure
 
 
 def _stops_the_run(outcome: Exception, sent: int) -> bool:
@@ -4638,6 +4714,55 @@ def _stops_the_run(outcome: Exception, sent: int) -> bool:
     if _is_outage(outcome):
         return sent == 0
     return _is_systemic(outcome) or _is_missing_project(outcome)
+
+
+# What send-many calls the signals that stop it, and the exit status each one gives.
+_SIGNAL_WORDS = {2: "interrupted", 15: "terminated"}  # SIGINT, SIGTERM
+_SIGNAL_STATUS = {2: _EXIT_INTERRUPTED, 15: _EXIT_TERMINATED}
+
+
+class _SecondSignal(BaseException):
+    """A second SIGINT or SIGTERM: send-many ends at once (a BaseException, as
+    KeyboardInterrupt is, so that no ``except Exception`` on the way stops it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StopOnSignals:
+    """While send-many records outcomes, SIGINT and SIGTERM alike stop the taking of tokens:
+    the first one stops push_many's reading (what was taken is still sent, answered and
+    recorded); a second one raises _SecondSignal. Signals ignored when the command started
+    (nohup, a background job) stay ignored; off the main thread nothing is changed."""
+
+    def __init__(self, outcomes: _Outcomes) -> None:
+        self._outcomes = outcomes
+        self.received: Optional[int] = None  # the first signal's number
+        self._previous: Dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopOnSignals":
+        import signal
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in _SIGNAL_WORDS:
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        import signal
+
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received is not None:
+            raise _SecondSignal(signum)
+        self.received = signum
+        # The signal may have landed where this thread holds push_many's lock: stopping
+        # takes that lock, so another thread does it.
+        threading.Thread(target=self._outcomes.stop, name="andpush-stop", daemon=True).start()
 
 
 def _cmd_topic(args: "argparse.Namespace") -> int:
@@ -4817,6 +4942,7 @@ class _Tally:
         self.failures: Dict[str, int] = {}
         self.unregistered = 0
         self.stopped: Optional[str] = None  # why the run stopped early, if it did
+        self.output_closed = False  # a file's reader went away (a closed pipe)
         self._results = results
         self._unregistered_file = unregistered
         self._started = time.monotonic()
@@ -4826,8 +4952,8 @@ class _Tally:
         return sum(self.failures.values())
 
     def add(self, token: str, outcome: Outcome) -> None:
-        """Count the outcome, then write it: a write that fails (a closed pipe) leaves the
-        summary still true."""
+        """Count the outcome, then write it: a file whose reader went away (a closed pipe)
+        is written no more, and the summary still counts what was sent."""
         record = _record(token, outcome)
         code = record["error"]
         if record["ok"]:
@@ -4836,20 +4962,40 @@ class _Tally:
             self.failures[code] = self.failures.get(code, 0) + 1
         if code in _UNREGISTERED_CODES:
             self.unregistered += 1
-        if self._results is not None:
-            self._results.write(json.dumps(record) + "\n")
-        if code in _UNREGISTERED_CODES and self._unregistered_file is not None:
-            self._unregistered_file.write(token + "\n")
+        self._results = self._write(self._results, json.dumps(record))
+        if code in _UNREGISTERED_CODES:
+            self._unregistered_file = self._write(self._unregistered_file, token)
 
-    def report(self, unregistered_path: Optional[str]) -> None:
-        """The summary, on stderr."""
+    def _write(self, file: Optional[TextIO], line: str) -> Optional[TextIO]:
+        """Write a line to ``file``; the file, or None if its reader went away."""
+        if file is None:
+            return None
+        try:
+            file.write(line + "\n")
+        except BrokenPipeError:
+            self.output_closed = True
+            self.stopped = self.stopped or "the output was closed"
+            return None
+        return file
+
+    def report(self, unregistered_path: Optional[str], unknown: int,
+               total: Optional[int]) -> None:
+        """The summary, on stderr; for a run stopped early, what became of every token
+        (``total``: how many the file holds, if known; ``unknown``: outcomes never seen)."""
         _say(_summary(self.sent, self.failures, time.monotonic() - self._started))
         if unregistered_path:
             _say("%s unregistered tokens written to %s" % (
                 _number(self.unregistered), "stdout" if unregistered_path == "-"
                 else repr(unregistered_path)))
         if self.stopped:
-            _say("%s: the remaining tokens were not sent" % self.stopped)
+            taken = self.sent + self.failed + unknown
+            parts = ["%s sent" % _number(self.sent), "%s failed" % _number(self.failed)]
+            if unknown:
+                parts.append("%s unknown (in flight: they may have been delivered)"
+                             % _number(unknown))
+            parts.append("%s not sent" % _number(max(0, total - taken)) if total is not None
+                         else "the tokens after the first %s not sent" % _number(taken))
+            _say("%s: %s" % (self.stopped, ", ".join(parts)))
 
 
 def _summary(sent: int, failures: Dict[str, int], elapsed: float) -> str:

@@ -727,14 +727,14 @@ def setup_threads(row: Row, port: int, cafile: str) -> Work:
 def setup_many(row: Row, port: int, cafile: str) -> Work:
     client = andpush_client(row, port, cafile)
     warm = Tally()
-    for outcome in client.push_many(messages(row.warm), concurrency=row.concurrency):
+    for _, outcome in client.push_many(messages(row.warm), concurrency=row.concurrency):
         warm.add(outcome)
     if warm.failed:
         raise RuntimeError("warm-up failed: " + warm.first_error)
 
     def work(tally: Tally, count: int) -> None:
         for _ in range(row.batches):
-            for outcome in client.push_many(messages(count), concurrency=row.concurrency):
+            for _, outcome in client.push_many(messages(count), concurrency=row.concurrency):
                 tally.add(outcome)
     return work, client.close
 
