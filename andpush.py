@@ -3658,6 +3658,7 @@ class _LegacyAPI:
     """The legacy HTTP API: ``POST /fcm/send`` with ``Authorization: key=...``."""
 
     name = "legacy"
+    target = "to"  # where one device token goes in a message
     refreshable = False
 
     def __init__(self, server_key: str) -> None:
@@ -3689,6 +3690,7 @@ class _V1API:
     """The HTTP v1 API: ``POST /v1/projects/<p>/messages:send`` with an OAuth2 bearer token."""
 
     name = "v1"
+    target = "token"
 
     def __init__(self, credentials: _Credentials, project_id: Optional[str],
                  clock: _Clock) -> None:
@@ -3802,6 +3804,39 @@ class Client:
         """
         _check_number("concurrency", concurrency, minimum=1, integer=True)
         return self._batch(messages, lambda m: self._exchange(m, False), concurrency, progress)
+
+    def push_multicast(
+        self,
+        message: Dict[str, Any],
+        tokens: Iterable[str],
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> Iterator[Tuple[str, Outcome]]:
+        """Send ``message`` (without a target) to each of ``tokens``, one request each
+        through push_many: firebase-admin's ``send_each_for_multicast``. Yields a
+        ``(token, outcome)`` pair per token, in order, with push_many's ``close()`` and
+        ``stop()``; a token that is not a non-empty str gets a TypeError, not sent.
+        """
+        message = _check_dict(message)
+        targets = sorted(set(message) & {"token", "topic", "condition", "to",
+                                         "registration_ids", "tokens"})
+        if targets:
+            raise ValueError("push_multicast sends message to each token itself; leave %s out"
+                             " of message" % " and ".join(repr(t) for t in targets))
+        if isinstance(tokens, (str, bytes)):
+            raise TypeError("tokens must be an iterable of str, not one %s"
+                            % type(tokens).__name__)
+        _check_number("concurrency", concurrency, minimum=1, integer=True)
+        target = self._api.target
+
+        def to(token: object) -> _Exchange:
+            if not isinstance(token, str) or not token:
+                raise TypeError("every token must be a non-empty str, got %s"
+                                % type(token).__name__)
+            return self._exchange(dict(message, **{target: token}), False)
+
+        return self._batch(tokens, to, concurrency, progress)
 
     def subscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
         """Subscribe each token to ``topic``; one outcome per token, in order."""

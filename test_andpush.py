@@ -6800,6 +6800,36 @@ class EngineTest(HTTP2TestCase):
                 andpush.new(SERVER_KEY, timeout=bad)  # type: ignore[arg-type]
 
 
+class MulticastTest(HTTP2TestCase):
+    """One message to many tokens, as firebase-admin's send_each_for_multicast."""
+
+    def test_each_token_gets_the_message_and_its_own_pair(self) -> None:
+        self.server.by_token["t1"] = [fcm_error(404, "UNREGISTERED")]
+        client = self.h2_client()
+        message = {"notification": {"title": "Sale"}}
+        pairs = list(client.push_multicast(message, (t for t in ["t0", "t1", "t2", 7])))
+        self.assertEqual([token for token, _ in pairs], ["t0", "t1", "t2", 7])
+        self.assertIsInstance(pairs[0][1], andpush.Response)
+        self.assertIsInstance(pairs[1][1], andpush.UnregisteredError)
+        self.assertIsInstance(pairs[3][1], TypeError)  # not a token: not sent
+        self.assertEqual(sent_counts(self.server), {"t0": 1, "t1": 1, "t2": 1})
+        sends = [r.json["message"] for r in self.server.requests if r.path.endswith(":send")]
+        self.assertTrue(all(m["notification"] == {"title": "Sale"} for m in sends))
+        self.assertEqual(message, {"notification": {"title": "Sale"}})  # left as it was
+
+    def test_a_message_with_a_target_or_one_token_is_refused_before_any_io(self) -> None:
+        client = self.h2_client()
+        for message, tokens, error, pattern in [
+            ({"token": "x"}, ["a"], ValueError, "leave 'token' out"),
+            ({"topic": "news", "condition": "c"}, ["a"], ValueError, "'condition' and 'topic'"),
+            ({"data": {}}, "abc", TypeError, "not one str"),
+            ([], ["a"], TypeError, "message must be a dict"),
+        ]:
+            with self.subTest(message=message), self.assertRaisesRegex(error, pattern):
+                client.push_multicast(message, tokens)  # type: ignore[arg-type]
+        self.assertEqual(self.server.processed, 0)
+
+
 class HTTP2Test(HTTP2TestCase):
     def test_push_many_multiplexes_streams_over_one_connection(self) -> None:
         outcomes = self.push_many(200, concurrency=50)
