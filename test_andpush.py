@@ -13,6 +13,7 @@ import contextlib
 import copy
 import datetime
 import email.utils
+import gc
 import hashlib
 import inspect
 import io
@@ -41,6 +42,7 @@ import traceback
 import types
 import unittest
 import unittest.mock
+import warnings
 import urllib.parse
 from collections import deque
 from http import HTTPStatus
@@ -1746,13 +1748,25 @@ class ProxyTest(ServerTestCase):
         self.assertEqual(len(proxy.targets), 1)
         self.assertEqual(self.server.processed, 2)
 
-    def test_a_refusing_proxy_is_a_network_error(self) -> None:
+    def test_a_refusing_proxy_is_a_network_error_and_its_socket_is_closed(self) -> None:
         with ConnectProxy(status=407) as proxy:
             client = self.client(proxy="http://127.0.0.1:%d" % proxy.port)
-            with self.assertRaises(andpush.NetworkError) as caught:
-                client.push(LEGACY_MESSAGE)
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                warnings.simplefilter("always", ResourceWarning)
+                with self.assertRaises(andpush.NetworkError) as caught:
+                    client.push(LEGACY_MESSAGE)
+                gc.collect()
         self.assertFalse(caught.exception.may_have_been_delivered)
+        self.assertIn("the proxy 127.0.0.1:%d" % proxy.port, str(caught.exception))
+        self.assertEqual([w for w in caught_warnings if w.category is ResourceWarning], [])
         self.assertEqual(self.server.processed, 0)
+
+    def test_a_proxy_that_cannot_be_reached_is_named_in_the_error(self) -> None:
+        client = self.client(proxy="http://127.0.0.1:%d" % _closed_port(), max_retries=0)
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(LEGACY_MESSAGE)
+        self.assertIn("could not connect to the proxy 127.0.0.1:", str(caught.exception))
+        self.assertFalse(caught.exception.may_have_been_delivered)
 
 
 class ProxyFromEnvironmentTest(unittest.TestCase):
