@@ -1992,10 +1992,11 @@ class _Loop:
         """Start ``exchange`` and wait for its outcome (every wait in the loop has a deadline)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("andpush's I/O thread cannot wait for itself")
-        done = threading.Event()
-        exchange.on_done = lambda _: done.set()
+        done = threading.Lock()
+        done.acquire()
+        exchange.on_done = lambda _: done.release()  # once, with the outcome
         self.submit([exchange])
-        done.wait()
+        done.acquire()
         assert exchange.outcome is not None
         return exchange.outcome
 
@@ -2032,11 +2033,13 @@ class _Loop:
                 raise ValueError("the client is closed; create a new one")
             if self._pid != os.getpid():
                 self._forked()
+            woken = bool(self._inbox)  # the loop was woken for what waits there already
             self._inbox.append(work)
             if self._thread is None:
                 self._start_thread()
                 return
-        self.wake()
+        if not woken:
+            self.wake()
 
     def _start_thread(self) -> None:
         """A new selector and wake pair, and the thread that uses them (the lock is held)."""
@@ -2602,7 +2605,8 @@ class _Batch:
         self.concurrency = concurrency
         self._window = concurrency * _WINDOW_PER_WORKER
         self._progress = progress
-        self._condition = threading.Condition()
+        self._condition = threading.Condition()  # the consumer waits on it for its next pair
+        self._room = threading.Condition(self._lock_of(self._condition))  # the feeder's
         self._prepared: Deque[_Exchange] = collections.deque()
         self._items_out: Dict[int, Any] = {}  # the item of each exchange not yet ended
         self._outcomes: Dict[int, Tuple[Any, Outcome]] = {}
@@ -2616,6 +2620,16 @@ class _Batch:
         self._loop_waits = False  # the loop found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None  # raised after the last pair
 
+    @staticmethod
+    def _lock_of(condition: threading.Condition) -> Any:
+        """The lock under ``condition``, for a second condition over the same state."""
+        return condition._lock  # type: ignore[attr-defined]
+
+    def _wake_all(self) -> None:
+        """Both waiters: the state changed for everyone (the lock is held)."""
+        self._condition.notify_all()
+        self._room.notify_all()
+
     # The feeder thread ------------------------------------------------------------
 
     def feed(self) -> None:
@@ -2625,7 +2639,7 @@ class _Batch:
                 while self._reading and (
                         len(self._prepared) >= self.concurrency
                         or self._read - self._yielded >= self._window):
-                    self._condition.wait()
+                    self._room.wait()
                 if not self._reading:
                     return
             try:
@@ -2663,7 +2677,7 @@ class _Batch:
         with self._condition:
             if self._reading:
                 self._reading, self._error = False, error
-                self._condition.notify_all()
+                self._wake_all()
         self.route.loop.wake()
 
     # The I/O loop's thread --------------------------------------------------------
@@ -2680,7 +2694,7 @@ class _Batch:
             taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
             self._in_flight += len(taken)
             if taken:
-                self._condition.notify_all()
+                self._room.notify()
             self._note_room()
             return taken
 
@@ -2714,14 +2728,15 @@ class _Batch:
             if self._reading:
                 self._reading = False
                 self._error = NetworkError(reason, may_have_been_delivered=False)
-            self._condition.notify_all()
+            self._wake_all()
 
     def _store(self, index: int, item: Any, outcome: Outcome) -> None:
         """Keep an item's outcome for the consumer (the condition is held)."""
         self._outcomes[index] = (item, outcome)
         self._done += 1
         self._failed += isinstance(outcome, Exception)
-        self._condition.notify_all()
+        if index == self._yielded or not self._reading:  # what the consumer waits for
+            self._condition.notify_all()
         if self._progress is not None:
             self._progress(self._done, self._failed)
 
@@ -2758,7 +2773,7 @@ class _Batch:
         """Hand out the next ``count`` pairs, which are there (the condition is held)."""
         pairs = [self._outcomes.pop(self._yielded + i) for i in range(count)]
         self._yielded += count
-        self._condition.notify_all()
+        self._room.notify()  # the window moved
         return pairs
 
     def stop(self) -> None:
@@ -2766,7 +2781,7 @@ class _Batch:
         input's error, if it failed meanwhile, is not raised (the consumer stopped first)."""
         with self._condition:
             self._reading, self._error = False, None
-            self._condition.notify_all()
+            self._wake_all()
         with contextlib.suppress(ValueError):
             self.route.loop.wake()
 
@@ -2774,7 +2789,7 @@ class _Batch:
         """The consumer is gone: read no more, and start nothing more."""
         with self._condition:
             self._reading, self._discarded = False, True
-            self._condition.notify_all()
+            self._wake_all()
         with contextlib.suppress(ValueError):
             self.route.loop.wake()
 
