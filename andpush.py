@@ -2655,7 +2655,7 @@ class _Batch:
     def _prepare(self, item: Any) -> None:
         try:
             exchange: Optional[_Exchange] = self._make(item)
-        except (Error, TypeError, ValueError) as exc:
+        except Exception as exc:  # a bad message (TypeError, ValueError), or worse: its outcome
             exchange, bad = None, exc
         with self._condition:
             if not self._reading:  # stopped while the input was being read: not sent
@@ -2738,7 +2738,10 @@ class _Batch:
         if index == self._yielded or not self._reading:  # what the consumer waits for
             self._condition.notify_all()
         if self._progress is not None:
-            self._progress(self._done, self._failed)
+            try:
+                self._progress(self._done, self._failed)
+            except Exception:  # the caller's code, run on andpush's threads: contain it
+                log.exception("the progress callback of push_many failed")
 
     # The consumer -----------------------------------------------------------------
 
@@ -3184,7 +3187,10 @@ class _StaticToken(_Credentials):
         self.refreshable = callable(token)
 
     def fetch(self) -> Tuple[str, Optional[float]]:
-        token = self._token() if callable(self._token) else self._token
+        try:
+            token = self._token() if callable(self._token) else self._token
+        except Exception as exc:  # the caller's code, run on the I/O thread: contain it
+            raise AuthError("the access_token callable failed: %s" % _reason(exc)) from exc
         if not isinstance(token, str) or not _is_header_token(token):
             raise AuthError(
                 "access_token must be a non-empty str of visible ASCII characters "

@@ -18,6 +18,7 @@ import hashlib
 import inspect
 import io
 import json
+import logging
 import multiprocessing
 import os
 import pathlib
@@ -56,6 +57,9 @@ from andpush import (
     _b64url, _der_read, _HPACKDecoder, _HPACKError, _hpack_decode_int, _hpack_encode,
     _hpack_encode_int, _huffman_decode, _jwt, _parse_private_key, _rs256_sign, _RSAPrivateKey,
 )
+
+# The 429 tests make andpush log a warning; without a handler Python would print it.
+logging.getLogger("andpush").addHandler(logging.NullHandler())
 
 # Test certificates ###########################################################
 # A CA and an ECDSA P-256 server certificate for localhost and 127.0.0.1, valid until 2126,
@@ -6803,6 +6807,32 @@ class EngineTest(HTTP2TestCase):
                 if not outcome.may_have_been_delivered:
                     self.assertEqual(sent["t%d" % i], 0)
         self.assertEqual(client.push(V1_MESSAGE).status_code, 200)
+
+    def test_the_callers_code_failing_on_andpush_threads_reaches_no_other_message(
+            self) -> None:
+        calls = []
+
+        def token() -> str:
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyError("the vault is down")
+            return H2_TOKEN
+
+        client = andpush.new(access_token=token, project_id=TEST_PROJECT, max_retries=0,
+                             endpoint=self.server.endpoint, ssl_context=client_context())
+        self.addCleanup(client.close)
+
+        def progress(done: int, failed: int) -> None:
+            raise RuntimeError("a bug in the caller's progress bar")
+
+        with self.assertLogs("andpush", "ERROR"), \
+                unittest.mock.patch.object(andpush, "_TOKEN_FAILURE_HOLD", 0.0):
+            pairs = list(client.push_many([{"token": "t%d" % i} for i in range(5)],
+                                          concurrency=1, progress=progress))
+        outcomes = [outcome for _, outcome in pairs]
+        self.assertIsInstance(outcomes[1], andpush.AuthError)  # the failed token: that one
+        self.assertIn("the vault is down", str(outcomes[1]))
+        self.assertEqual([type(o) for o in outcomes[2:]], [andpush.Response] * 3)
 
     def test_timeout_takes_a_connect_read_pair(self) -> None:
         client = self.h2_client(timeout=(0.5, 0.05))
