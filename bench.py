@@ -1,33 +1,21 @@
 """Benchmark andpush against a server we did not write: nginx on loopback.
 
-``python bench.py`` (a few minutes), ``--quick`` (a smoke run), ``--rows NAME,...`` (names or
-parts of names; ``--list`` shows them), ``--own-server`` (bench.py's own server even where nginx
-is installed). No network, no credentials. Peers (pyfcm, firebase-admin) run when importable:
-run bench.py with the interpreter of a virtual environment that has them.
+``python bench.py`` (a few minutes); ``--quick`` (a smoke run), ``--rows NAME,...`` (parts of
+names; ``--list`` shows them), ``--own-server``. No network, no credentials. The peers (pyfcm,
+firebase-admin) run when importable: use a virtual environment's interpreter that has them.
 
-nginx (``apt-get install nginx-light``) is started in a temporary folder of its own (config,
-pid file, logs, a throw-away CA and ECDSA P-256 certificate made with ``openssl``) and stopped
-at exit: one worker, HTTP/2 and HTTP/1.1 on one port (ALPN), 100 concurrent streams a
-connection as FCM, keep-alive limits no run reaches. It answers ``POST
-/v1/projects/<p>/messages:send`` with ``{"name": "projects/<p>/messages/0:1"}`` and ``POST
-/token`` (the peers' OAuth2 endpoint) with a token, and logs each request's connection and
-protocol: the ``proto`` and ``conns`` columns. Without nginx, bench.py says so on its first
-line and uses a small one-thread server of its own; those figures do not count.
+nginx (``apt-get install nginx-light``) runs from a temporary folder with the tests' throw-away
+certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM. Its
+access log gives the ``proto`` and ``conns`` columns. Without it, a one-thread HTTP/1.1 server
+of bench.py's own stands in (its figures do not count) and the HTTP/2 rows are not measured.
 
-Rows marked ``(50 ms)`` go through a relay (a process of its own: one thread, a selector, a
-timer heap) that holds bytes 25 ms each way, and a connection's first bytes a round trip more
-(the TCP handshake): handshakes cost what they cost against FCM. The round trip through it,
-measured first (median of sequential requests on a kept-alive connection), is the ``RTT`` of
-the ideals (concurrency / RTT). Row ``relay-ceiling`` drives a raw client through it: its
-msg/s over the relay's share of a core (what the relay could carry) must be 3x the top ideal.
-
-Each row runs in a child process (a new interpreter and client); server and relay run in
-others. ``msg/s``: successes over the timed wall time. ``CPU/1k``: the child's
-``time.process_time()`` (all threads) over the timed part, per 1,000 messages. ``ratio``: to
-the ideal, or to the floor (raw requests on one kept-alive TLS socket), which such a row runs
-itself, taking turns with it slice by slice so that other load hits both alike.
-``srv/relay``: the share of a core the server's worker and the relay used meanwhile (near
-100%: the row measured them). ``target``: the row's targets, all in ROWS below.
+``(50 ms)`` rows go through a relay that holds bytes 25 ms each way (a new connection's first
+bytes a round trip more: its handshake). The measured round trip is the RTT of the ideals
+(concurrency / RTT); row ``relay-ceiling`` shows the relay carries 3x the top one. Each row
+runs in a child process: ``msg/s`` is successes over wall time, ``CPU/1k`` the child's CPU (all
+threads) per 1,000 messages, ``ratio`` to the ideal or to the floor (raw requests on one
+kept-alive TLS socket; the row takes turns with its own floor), ``srv/relay`` the share of a
+core the server and relay used. The targets are all in ROWS.
 """
 
 import argparse
@@ -214,47 +202,16 @@ def cpu_seconds(pid: int) -> Optional[float]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-# Certificates ##################################################################################
-
-SERVER_EXTENSIONS = """subjectAltName = DNS:localhost, IP:127.0.0.1
-basicConstraints = critical, CA:FALSE
-keyUsage = critical, digitalSignature
-extendedKeyUsage = serverAuth
-subjectKeyIdentifier = hash
-authorityKeyIdentifier = keyid:always
-"""
-
-
-def make_certificates(folder: str, rsa_key: bool) -> Dict[str, str]:
-    """A throw-away CA and a server certificate for 127.0.0.1 that it signed (valid on 3.8 to
-    3.13, strict verification included), and with ``rsa_key`` an RSA key for the peers'
-    service account. Without the openssl command: the test PEMs of test_andpush.py."""
-    paths = {name: os.path.join(folder, name) for name in ("ca.pem", "cert.pem", "key.pem",
-                                                           "rsa.pem")}
-    if shutil.which("openssl") is None:
-        import test_andpush as t
-        for name, text in zip(paths, (t.TEST_CA_PEM, t.TEST_SERVER_CERT_PEM,
-                                      t.TEST_SERVER_KEY_PEM, t.TEST_RSA_KEY_PKCS8_PEM)):
-            with open(paths[name], "w") as f:
-                f.write(text)
-        return paths
-    ca_key, csr, ext = (os.path.join(folder, n) for n in ("ca.key", "cert.csr", "ext.cnf"))
-    with open(ext, "w") as f:
-        f.write(SERVER_EXTENSIONS)
-    ec = ["-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"]
-    commands = [
-        ["genpkey", *ec, "-out", ca_key],
-        ["req", "-x509", "-new", "-key", ca_key, "-subj", "/CN=andpush bench CA", "-days", "2",
-         "-addext", "basicConstraints=critical,CA:TRUE",
-         "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-out", paths["ca.pem"]],
-        ["genpkey", *ec, "-out", paths["key.pem"]],
-        ["req", "-new", "-key", paths["key.pem"], "-subj", "/CN=localhost", "-out", csr],
-        ["x509", "-req", "-in", csr, "-CA", paths["ca.pem"], "-CAkey", ca_key,
-         "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", paths["cert.pem"]],
-    ] + [["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
-          "-out", paths["rsa.pem"]]] * rsa_key
-    for command in commands:
-        subprocess.run(["openssl", *command], check=True, capture_output=True)
+def write_certificates(folder: str) -> Dict[str, str]:
+    """The test suite's throw-away CA, its ECDSA P-256 certificate for 127.0.0.1 and key, and
+    an RSA key for the peers' service account, as files in ``folder``."""
+    import test_andpush as t
+    paths = {}
+    for name, text in (("ca.pem", t.TEST_CA_PEM), ("cert.pem", t.TEST_SERVER_CERT_PEM),
+                       ("key.pem", t.TEST_SERVER_KEY_PEM), ("rsa.pem", t.TEST_RSA_KEY_PKCS8_PEM)):
+        paths[name] = os.path.join(folder, name)
+        with open(paths[name], "w") as f:
+            f.write(text)
     return paths
 
 
@@ -988,9 +945,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
-            peers = any(row.kind in SETUPS and row.module and not missing_package(row)
-                        for row in rows)
-            setting = start_servers(folder, make_certificates(folder, peers), args.own_server)
+            setting = start_servers(folder, write_certificates(folder), args.own_server)
             done: Dict[str, Result] = {}
             for row in rows:
                 print("running %s ..." % row.name, file=sys.stderr, flush=True)
