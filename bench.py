@@ -74,7 +74,7 @@ class Row:
     relayed: bool = False  # through the 50 ms relay
     http2: bool = True  # andpush.new(http2=...); the protocol the server must see
     concurrency: int = 1  # threads or push_many's concurrency: the ideal is concurrency / RTT
-    warm: int = 0  # messages push_many sends first, untimed, on the same client
+    warm: int = 0  # messages sent first, untimed, on the same client (push() or push_many)
     batches: int = 1
     base: str = ""  # what ``ratio`` divides by: "floor" or "ideal"
     min_ratio: Optional[float] = None
@@ -92,9 +92,9 @@ ROWS = [
     Row("floor", "floor", "raw socket, sequential HTTP/1.1, one kept-alive TLS socket",
         count=5000, quick=1000, http2=False),
     Row("push-h1", "push", "push() sequential, http2=False", count=5000, quick=1000,
-        http2=False, base="floor", min_ratio=0.6),
-    Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, quick=1000, base="floor",
-        cpu_at_most_row="push-h1"),
+        http2=False, warm=1, base="floor", min_ratio=0.6),  # warm: connected, as the floor
+    Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, quick=1000, warm=1,
+        base="floor", cpu_at_most_row="push-h1"),
     Row("relay-ceiling", "ceiling", "raw pipelined HTTP/1.1 through the relay, %d conns x %d"
         % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, quick=40_000, relayed=True,
         http2=False, concurrency=700, base="ideal", min_relay_headroom=3.0),
@@ -580,13 +580,6 @@ def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None
 Work = Tuple[Callable[[Tally, int], None], Callable[[], object]]  # timed part, clean-up
 
 
-def andpush_client(row: Row, port: int, cafile: str) -> Any:
-    import andpush
-    return andpush.new(access_token="bench-token", project_id=PROJECT,
-                       endpoint="https://127.0.0.1:%d" % port,
-                       ssl_context=ssl.create_default_context(cafile=cafile), http2=row.http2)
-
-
 def setup_floor(row: Row, port: int, cafile: str, project: str = PROJECT) -> Work:
     connection = RawConnection(port, cafile, project)
     return connection.repeat, connection.sock.close
@@ -600,47 +593,42 @@ def setup_ceiling(row: Row, port: int, cafile: str) -> Work:
             lambda: [c.sock.close() for c in connections])
 
 
-def setup_push(row: Row, port: int, cafile: str) -> Work:
-    client = andpush_client(row, port, cafile)
-    client.push(MESSAGE)  # the connection is up, as the floor's is
+def setup_andpush(row: Row, port: int, cafile: str) -> Work:
+    """A new client: push() in sequence or from threads, or push_many batches."""
+    import andpush
+    client = andpush.new(access_token="bench-token", project_id=PROJECT,
+                         endpoint="https://127.0.0.1:%d" % port,
+                         ssl_context=ssl.create_default_context(cafile=cafile), http2=row.http2)
 
-    def work(tally: Tally, count: int) -> None:
+    def sequential(tally: Tally, count: int) -> None:
         for message in messages(count):
             tally.call(client.push, message)
-    return work, client.close
 
+    def threads(tally: Tally, count: int) -> None:
+        parts = [Tally() for _ in range(row.concurrency)]  # one per thread: no lock
+        workers = [threading.Thread(target=sequential, args=(part, count // row.concurrency))
+                   for part in parts]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        for part in parts:
+            tally.ok, tally.failed = tally.ok + part.ok, tally.failed + part.failed
+            tally.first_error = tally.first_error or part.first_error
 
-def setup_threads(row: Row, port: int, cafile: str) -> Work:
-    client = andpush_client(row, port, cafile)
-
-    def work(tally: Tally, count: int) -> None:
-        tallies = [Tally() for _ in range(row.concurrency)]  # one per thread: no lock
-        threads = [threading.Thread(target=lambda t=t: [
-            t.call(client.push, m) for m in messages(count // row.concurrency)])
-            for t in tallies]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for each in tallies:
-            tally.ok, tally.failed = tally.ok + each.ok, tally.failed + each.failed
-            tally.first_error = tally.first_error or each.first_error
-    return work, client.close
-
-
-def setup_many(row: Row, port: int, cafile: str) -> Work:
-    client = andpush_client(row, port, cafile)
-    warm = Tally()
-    for outcome in client.push_many(messages(row.warm), concurrency=row.concurrency):
-        warm.add(outcome)
-    if warm.failed:
-        raise RuntimeError("warm-up failed: " + warm.first_error)
-
-    def work(tally: Tally, count: int) -> None:
-        for _ in range(row.batches):
+    def many(tally: Tally, count: int, batches: int = row.batches) -> None:
+        for _ in range(batches):
             for outcome in client.push_many(messages(count), concurrency=row.concurrency):
                 tally.add(outcome)
-    return work, client.close
+
+    warm = Tally()
+    if row.kind == "many":
+        many(warm, row.warm, 1)
+    else:
+        sequential(warm, row.warm)
+    if warm.failed:
+        raise RuntimeError("warm-up failed: " + warm.first_error)
+    return {"push": sequential, "threads": threads, "many": many}[row.kind], client.close
 
 
 def service_account(port: int, rsa_key: str) -> Dict[str, str]:
@@ -708,8 +696,8 @@ def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
 
 
 SETUPS: Dict[str, Callable[..., Work]] = {
-    "floor": setup_floor, "ceiling": setup_ceiling, "push": setup_push,
-    "threads": setup_threads, "many": setup_many, "pyfcm": setup_pyfcm,
+    "floor": setup_floor, "ceiling": setup_ceiling, "push": setup_andpush,
+    "threads": setup_andpush, "many": setup_andpush, "pyfcm": setup_pyfcm,
     "fbadmin-send": setup_fbadmin, "fbadmin-each": setup_fbadmin,
 }
 
