@@ -156,25 +156,22 @@ def _die_with_parent() -> None:
         pass
 
 
-def start(argv: List[str], what: str, port: int = 0) -> Tuple["subprocess.Popen[bytes]", int]:
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start(argv: List[str], what: str, port: int) -> "subprocess.Popen[bytes]":
     """Start a helper (server, relay), remembered so that it is stopped; wait until it
-    listens on ``port``, or read the port it prints on its first line."""
-    helper = subprocess.Popen(argv, stdout=subprocess.DEVNULL if port else subprocess.PIPE,
-                              stderr=subprocess.DEVNULL if port else None,
-                              preexec_fn=_die_with_parent)
+    listens on ``port``."""
+    helper = subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     _helpers.append(helper)
     deadline = time.monotonic() + START_DEADLINE
-    if not port:
-        assert helper.stdout is not None
-        with selectors.DefaultSelector() as ready:
-            ready.register(helper.stdout, selectors.EVENT_READ)
-            line = helper.stdout.readline() if ready.select(START_DEADLINE) else b""
-        if line.strip().isdigit():
-            return helper, int(line)
-    while port and time.monotonic() < deadline and helper.poll() is None:
+    while time.monotonic() < deadline and helper.poll() is None:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return helper, port
+            return helper
         except OSError:
             time.sleep(0.05)
     raise RuntimeError("%s did not start (exit status %s)" % (what, helper.poll()))
@@ -254,9 +251,7 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
     temp = ["client_body"] + [m for m in ("proxy", "fastcgi", "uwsgi", "scgi")
                               if "--without-http_%s_module" % m not in built]
     modern = found is not None and tuple(map(int, found.groups())) >= (1, 25, 1)
-    with socket.socket() as probe:  # a free port
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    port = free_port()
     config = os.path.join(folder, "nginx.conf")
     with open(config, "w") as f:
         f.write(NGINX_CONFIG.format(
@@ -267,8 +262,8 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
             listen_http2="" if modern else " http2",  # "http2 on;" is nginx 1.25.1's
             http2_on="http2 on;" if modern else "", token=TOKEN_BODY.decode()))
     try:
-        master, _ = start([nginx, "-p", folder, "-c", config, "-e", folder + "/error.log"],
-                          "nginx", port)
+        master = start([nginx, "-p", folder, "-c", config, "-e", folder + "/error.log"],
+                       "nginx", port)
     except RuntimeError:
         with open(os.path.join(folder, "error.log")) as f:
             raise RuntimeError("nginx did not start:\n" + f.read()[-2000:]) from None
@@ -335,16 +330,15 @@ class OwnConnection:
         return answered
 
 
-def serve(cert: str, key: str, log_path: str) -> None:
-    """The own server's loop (``--serve``): prints its port, then serves until killed."""
+def serve(port: int, cert: str, key: str, log_path: str) -> None:
+    """The own server's loop (``--serve``): serves on ``port`` until killed."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     context.set_alpn_protocols(["http/1.1"])
-    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    listener = socket.create_server(("127.0.0.1", port), backlog=1024)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     serials = itertools.count(1)
-    print(listener.getsockname()[1], flush=True)
     with open(log_path, "a") as log:
         while True:
             for ready, _ in selector.select():
@@ -441,15 +435,14 @@ class Leg:
                 leg.sock.close()
 
 
-def relay(upstream_port: int, delay: float) -> None:
-    """The relay's loop (``--relay``): prints its port, then relays until killed."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+def relay(port: int, upstream_port: int, delay: float) -> None:
+    """The relay's loop (``--relay``): relays from ``port`` until killed."""
+    listener = socket.create_server(("127.0.0.1", port), backlog=1024)
     listener.setblocking(False)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     due: List[Tuple[float, int, Leg, bytes]] = []  # a heap: (when, order, to whom, what)
     order = itertools.count()
-    print(listener.getsockname()[1], flush=True)
     while True:
         now = time.monotonic()
         while due and due[0][0] <= now:
@@ -887,10 +880,11 @@ def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
               "nginx-light)" % (" (--own-server)" if nginx else " installed"), flush=True)
         log, server = os.path.join(folder, "own.log"), "own"
         open(log, "w").close()
-        process, port = start(me + ["--serve", certs["cert.pem"], certs["key.pem"], log],
-                              "the own server")
-        pid = process.pid
-    relay_process, relay_port = start(me + ["--relay", str(port)], "the relay")
+        port = free_port()
+        pid = start(me + ["--serve", str(port), certs["cert.pem"], certs["key.pem"], log],
+                    "the own server", port).pid
+    relay_port = free_port()
+    relay_process = start(me + ["--relay", str(relay_port), str(port)], "the relay", relay_port)
     setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs)
     setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
     print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
@@ -908,22 +902,22 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     for hidden in ("--child", "--cafile", "--rsa-key"):  # what bench.py passes its helpers
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--relay", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--relay", type=int, nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.serve:
-        serve(*args.serve)
+        serve(int(args.serve[0]), *args.serve[1:])
     by_name = {row.name: row for row in ROWS}
     if args.child:
         print(json.dumps(run_child(by_name[args.child], args.port, args.cafile, args.rsa_key,
                                    args.quick)))
         return 0
     if args.relay:
-        relay(args.relay, ONE_WAY_DELAY)
+        relay(*args.relay, ONE_WAY_DELAY)
     wanted = args.rows.split(",") if args.rows else []
     rows = [row for row in ROWS if not wanted or any(w and w in row.name for w in wanted)]
     if args.list or not rows:
