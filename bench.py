@@ -377,30 +377,16 @@ class Leg:
         self.not_before = not_before  # what this socket reads goes on no earlier than this
         self.out = bytearray()
         self.peer: "Leg" = self
-        self.reading, self.closed = True, False
-        self.events = 0  # what the selector watches for now
-        self.watch()
-
-    def watch(self) -> None:
-        events = ((selectors.EVENT_READ if self.reading else 0)
-                  | (selectors.EVENT_WRITE if self.out else 0))
-        if events != self.events:
-            if not self.events:
-                self.selector.register(self.sock, events, self)
-            elif not events:
-                self.selector.unregister(self.sock)
-            else:
-                self.selector.modify(self.sock, events, self)
-            self.events = events
+        self.writing = self.closed = False  # writing: the selector watches for writability
+        selector.register(sock, selectors.EVENT_READ, self)
 
     def deliver(self, data: bytes) -> None:
-        """Bytes whose delay is over (b"": the other side closed: close once written)."""
-        if self.closed:
-            return
-        self.out += data
-        self.flush()
-        if not data and not self.closed:
-            self.close()
+        """Bytes whose delay is over (b"": the other side closed: close after them)."""
+        if not self.closed:
+            self.out += data
+            self.flush()
+            if not data:
+                self.close()
 
     def flush(self) -> None:
         try:
@@ -408,13 +394,16 @@ class Leg:
                 del self.out[:self.sock.send(self.out)]
         except BlockingIOError:
             pass
-        except OSError:
+        except OSError:  # the far end is gone: so is the connection
             self.close()
-            return
-        self.watch()
+            self.peer.close()
+        if not self.closed and self.writing != bool(self.out):
+            self.writing = bool(self.out)
+            self.selector.modify(self.sock, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if self.writing else 0), self)
 
     def receive(self) -> Optional[bytes]:
-        """What the socket has (b"" at its end, None if nothing yet)."""
+        """What the socket has (b"" at its end, and the socket is closed), None if nothing yet."""
         try:
             data = self.sock.recv(262144)
         except BlockingIOError:
@@ -422,17 +411,14 @@ class Leg:
         except OSError:
             data = b""
         if not data:
-            self.reading = False
-            self.watch()
+            self.close()
         return data
 
     def close(self) -> None:
-        for leg in (self, self.peer):
-            if not leg.closed:
-                leg.closed, leg.reading = True, False
-                leg.out.clear()
-                leg.watch()
-                leg.sock.close()
+        if not self.closed:
+            self.closed = True
+            self.selector.unregister(self.sock)
+            self.sock.close()
 
 
 def relay(port: int, upstream_port: int, delay: float) -> None:
