@@ -21,6 +21,7 @@ core the server and relay used. The targets are all in ROWS.
 import argparse
 import collections
 import concurrent.futures
+import functools
 import heapq
 import importlib.util
 import itertools
@@ -519,9 +520,6 @@ class RawConnection:
             raise RuntimeError("unexpected answer %r" % data[:60])
         return data
 
-    def repeat(self, tally: Tally, count: int) -> None:
-        for _ in range(count):
-            tally.call(self.exchange)
 
 
 def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None:
@@ -559,9 +557,17 @@ def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None
 Work = Tuple[Callable[[Tally, int], None], Callable[[], object]]  # timed part, clean-up
 
 
+def repeated(call: Callable[[], object]) -> Callable[[Tally, int], None]:
+    """A sequential row's timed part: ``call`` as many times as it is told, tallied."""
+    def work(tally: Tally, count: int) -> None:
+        for _ in range(count):
+            tally.call(call)
+    return work
+
+
 def setup_floor(row: Row, port: int, cafile: str, project: str = PROJECT) -> Work:
     connection = RawConnection(port, cafile, project)
-    return connection.repeat, connection.sock.close
+    return repeated(connection.exchange), connection.sock.close
 
 
 def setup_ceiling(row: Row, port: int, cafile: str) -> Work:
@@ -627,16 +633,12 @@ def setup_pyfcm(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
     fcm = FCMNotification(credentials=credentials, project_id=PROJECT)
     fcm.FCM_END_POINT_BASE = "https://127.0.0.1:%d/v1/projects" % port  # a class constant
 
-    def notify() -> object:
-        return fcm.notify(fcm_token=DEVICE_TOKEN, notification_title="Benchmark",
-                          notification_body="andpush benchmark push",
-                          data_payload={"kind": "bench", "id": "0"})
+    notify = functools.partial(fcm.notify, fcm_token=DEVICE_TOKEN,
+                               notification_title="Benchmark",
+                               notification_body="andpush benchmark push",
+                               data_payload={"kind": "bench", "id": "0"})
     notify()
-
-    def work(tally: Tally, count: int) -> None:
-        for _ in range(count):
-            tally.call(notify)
-    return work, lambda: None
+    return repeated(notify), lambda: None
 
 
 def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
@@ -659,18 +661,15 @@ def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
     message = messaging.Message(token=DEVICE_TOKEN, data=MESSAGE["data"],
                                 notification=messaging.Notification(title="Benchmark",
                                                                     body="andpush push"))
-    messaging.send(message, app=app)
-
-    def send(tally: Tally, count: int) -> None:
-        for _ in range(count):
-            tally.call(lambda: messaging.send(message, app=app))
+    send = functools.partial(messaging.send, message, app=app)
+    send()
 
     def send_each(tally: Tally, count: int) -> None:
         for start_at in range(0, count, 500):
             batch = messaging.send_each([message] * min(500, count - start_at), app=app)
             for response in batch.responses:
                 tally.add(response.message_id if response.success else response.exception)
-    return (send if row.kind == "fbadmin-send" else send_each,
+    return (repeated(send) if row.kind == "fbadmin-send" else send_each,
             lambda: firebase_admin.delete_app(app))
 
 
