@@ -51,6 +51,7 @@ DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
 ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
 RTT_SAMPLES = 9  #: sequential requests whose median is the measured round trip
 IMPORT_SAMPLES = 10  #: interpreter starts whose median is an import time
+QUICK_SHARE = 5  #: --quick times this share of each row's messages
 FLOOR_SLICES = 5  #: a row compared with the floor takes turns with it this many times
 CEILING_CONNECTIONS = 50  #: relay-ceiling: connections through the relay ...
 CEILING_DEPTH = 100  #: ... each with this many pipelined requests in flight
@@ -70,8 +71,7 @@ class Row:
     name: str
     kind: str  # what runs it: a key of SETUPS, or "import"
     title: str
-    count: int = 0  # messages timed (per batch)
-    quick: int = 0  # the same with --quick
+    count: int = 0  # messages timed (per batch); a fifth with --quick
     relayed: bool = False  # through the 50 ms relay
     http2: bool = True  # andpush.new(http2=...); the protocol the server must see
     concurrency: int = 1  # threads or push_many's concurrency: the ideal is concurrency / RTT
@@ -91,43 +91,41 @@ class Row:
 FBADMIN, PYFCM = "firebase_admin", "pyfcm"
 ROWS = [
     Row("floor", "floor", "raw socket, sequential HTTP/1.1, one kept-alive TLS socket",
-        count=5000, quick=1000, http2=False),
-    Row("push-h1", "push", "push() sequential, http2=False", count=5000, quick=1000,
-        http2=False, warm=1, base="floor", min_ratio=0.6),  # warm: connected, as the floor
-    Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, quick=1000, warm=1,
-        base="floor", cpu_at_most_row="push-h1"),
+        count=5000, http2=False),
+    Row("push-h1", "push", "push() sequential, http2=False", count=5000, http2=False, warm=1,
+        base="floor", min_ratio=0.6),  # warm=1: connected, as the floor is
+    Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, warm=1, base="floor",
+        cpu_at_most_row="push-h1"),
     Row("relay-ceiling", "ceiling", "raw pipelined HTTP/1.1 through the relay, %d conns x %d"
-        % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, quick=40_000, relayed=True,
-        http2=False, concurrency=700, base="ideal", min_relay_headroom=3.0),
-    Row("threads-100", "threads", "push() from 100 threads, new client", count=4000, quick=1000,
+        % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, relayed=True, http2=False,
+        concurrency=700, base="ideal", min_relay_headroom=3.0),
+    Row("threads-100", "threads", "push() from 100 threads, new client", count=4000,
         relayed=True, concurrency=100, base="ideal", min_ratio=0.9, max_conns=2, max_cpu=0.08),
     Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
-        count=10_000, quick=2000, relayed=True, concurrency=100, base="ideal"),
+        count=10_000, relayed=True, concurrency=100, base="ideal"),
     Row("many-700-new", "many", "push_many(concurrency=700), 10k on a new client",
-        count=10_000, quick=2000, relayed=True, concurrency=700, base="ideal", min_ratio=0.8),
+        count=10_000, relayed=True, concurrency=700, base="ideal", min_ratio=0.8),
     Row("many-100-warm", "many", "push_many(concurrency=100), 10k after a warm-up batch",
-        count=10_000, quick=2000, relayed=True, concurrency=100, warm=100, base="ideal"),
+        count=10_000, relayed=True, concurrency=100, warm=100, base="ideal"),
     Row("many-700-warm", "many", "push_many(concurrency=700), 10k after a warm-up batch",
-        count=10_000, quick=2000, relayed=True, concurrency=700, warm=700, base="ideal",
-        min_ratio=0.88),
+        count=10_000, relayed=True, concurrency=700, warm=700, base="ideal", min_ratio=0.88),
     Row("many-700-x10", "many", "push_many(concurrency=700), 10 batches of 10k, one client",
-        count=10_000, quick=1000, relayed=True, concurrency=700, batches=10, base="ideal",
-        min_ratio=0.92, max_cpu=0.025),
+        count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", min_ratio=0.92,
+        max_cpu=0.025),
     Row("many-direct", "many", "push_many(concurrency=100), no delay: client-bound",
-        count=50_000, quick=10_000, concurrency=100, warm=100, min_rate=40_000),
+        count=50_000, concurrency=100, warm=100, min_rate=40_000),
     Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client",
-        count=10_000, quick=2000, relayed=True, http2=False, concurrency=100, base="ideal",
-        min_ratio=0.9, max_cpu=0.10),
+        count=10_000, relayed=True, http2=False, concurrency=100, base="ideal", min_ratio=0.9,
+        max_cpu=0.10),
     Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client",
-        count=10_000, quick=2000, relayed=True, http2=False, concurrency=200, base="ideal",
-        min_ratio=0.9, max_cpu=0.10),
-    Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, quick=200,
-        http2=False, base="floor", module=PYFCM),
+        count=10_000, relayed=True, http2=False, concurrency=200, base="ideal", min_ratio=0.9,
+        max_cpu=0.10),
+    Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, http2=False,
+        base="floor", module=PYFCM),
     Row("fbadmin-send", "fbadmin-send", "peer: firebase-admin messaging.send() sequential",
-        count=1000, quick=200, http2=False, base="floor", module=FBADMIN),
+        count=1000, http2=False, base="floor", module=FBADMIN),
     Row("fbadmin-each", "fbadmin-each", "peer: firebase-admin send_each, chunks of 500",
-        count=2000, quick=1000, relayed=True, http2=False, concurrency=100, base="ideal",
-        module=FBADMIN),
+        count=2000, relayed=True, http2=False, concurrency=100, base="ideal", module=FBADMIN),
     Row("import-andpush", "import", "import andpush (cached bytecode, median of 10)",
         module="andpush", max_ms=40),
     Row("import-pyfcm", "import", "import pyfcm", module=PYFCM),
@@ -683,7 +681,7 @@ SETUPS: Dict[str, Callable[..., Work]] = {
 def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Dict[str, Any]:
     """Set a row's client up, time its work (taking turns with a floor of its own when it is
     compared with the floor), and say how it went: printed as JSON for the parent."""
-    count = row.quick if quick else row.count
+    count = row.count // QUICK_SHARE if quick else row.count
     sides = {"row": SETUPS[row.kind](row, port, cafile, *[rsa_key] * bool(row.module))}
     if row.base == "floor":
         sides["floor"] = setup_floor(row, port, cafile, FLOOR_PROJECT)
