@@ -23,6 +23,7 @@ import collections
 import concurrent.futures
 import functools
 import heapq
+import http.server
 import importlib.util
 import itertools
 import json
@@ -40,7 +41,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECT = "p"
@@ -275,92 +276,49 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
 
 
 # bench.py's own server (only without nginx) ####################################################
-# One thread, a selector over non-blocking TLS sockets, HTTP/1.1 only (the HTTP/2 rows need
-# nginx): keep-alive, Content-Length bodies, routed by the request line. It logs as nginx does.
+# The standard library's threading HTTP/1.1 server (the HTTP/2 rows need nginx), logging as
+# nginx does: a connection (its client's port), the protocol, the path.
 
-H1_ANSWERS = {path: (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d"
-                     b"\r\n\r\n%s" % (status, len(body), body)) for path, status, body in (
-    ("send", b"200 OK", V1_BODY), ("/token", b"200 OK", TOKEN_BODY),
-    ("", b"404 Not Found", b'{"error": "not found"}'))}
+class OwnHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    wbufsize = 65536  # an answer goes out in one write, at the flush after do_POST
+    log_lock = threading.Lock()
+    log: TextIO
+
+    def setup(self) -> None:
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().setup()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        status, body = ((200, V1_BODY) if self.path.endswith("/messages:send") else
+                        (200, TOKEN_BODY) if self.path == "/token" else (404, b"{}"))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        with self.log_lock:
+            self.log.write("%d HTTP/1.1 %s\n" % (self.client_address[1], self.path))
+
+    def log_message(self, *args: Any) -> None:
+        pass
 
 
-def message_length(data: bytes) -> int:
-    """The length of the HTTP/1.1 message (Content-Length body) at the start of ``data``,
-    or 0 while it is incomplete."""
-    end = data.find(b"\r\n\r\n")
-    found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:end]) if end > 0 else None
-    length = end + 4 + (int(found.group(1)) if found else 0)
-    return length if end > 0 and len(data) >= length else 0
-
-
-class OwnConnection:
-    """One client connection of the own server: TLS handshake, then requests."""
-
-    def __init__(self, sock: ssl.SSLSocket, serial: int) -> None:
-        self.sock, self.serial = sock, serial
-        self.shaken = False
-        self.inbox, self.out = bytearray(), bytearray()
-
-    def on_ready(self) -> List[str]:
-        """Handshake, read all there is, answer; the paths answered."""
-        answered: List[str] = []
-        try:
-            if not self.shaken:
-                self.sock.do_handshake()
-                self.shaken = True
-            while True:
-                data = self.sock.recv(65536)
-                if not data:
-                    raise EOFError
-                self.inbox += data
-                while message_length(self.inbox):
-                    path = bytes(self.inbox).split(b" ", 2)[1].decode("latin-1")
-                    self.out += H1_ANSWERS["send" if path.endswith("/messages:send") else
-                                           path if path == "/token" else ""]
-                    del self.inbox[:message_length(self.inbox)]
-                    answered.append(path)
-        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            pass
-        while self.out:
-            try:
-                del self.out[:self.sock.send(self.out)]
-            except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                break
-        return answered
+class OwnServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024  # the listen backlog: up to 700 connections come at once
 
 
 def serve(port: int, cert: str, key: str, log_path: str) -> None:
-    """The own server's loop (``--serve``): serves on ``port`` until killed."""
+    """The own server (``--serve``): serves on ``port`` until killed."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     context.set_alpn_protocols(["http/1.1"])
-    listener = socket.create_server(("127.0.0.1", port), backlog=1024)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    serials = itertools.count(1)
-    with open(log_path, "a") as log:
-        while True:
-            for ready, _ in selector.select():
-                if ready.data is None:
-                    raw, _ = listener.accept()
-                    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    raw.setblocking(False)
-                    tls = context.wrap_socket(raw, server_side=True,
-                                              do_handshake_on_connect=False)
-                    selector.register(tls, selectors.EVENT_READ, OwnConnection(tls, next(serials)))
-                    continue
-                connection: OwnConnection = ready.data
-                try:
-                    answered = connection.on_ready()
-                except (OSError, EOFError):
-                    selector.unregister(connection.sock)
-                    connection.sock.close()
-                    continue
-                log.write("".join("%d HTTP/1.1 %s\n" % (connection.serial, path)
-                                  for path in answered))
-                selector.modify(connection.sock, selectors.EVENT_READ | (
-                    selectors.EVENT_WRITE if connection.out else 0), connection)
-            log.flush()
+    server = OwnServer(("127.0.0.1", port), OwnHandler)
+    server.socket = context.wrap_socket(server.socket, server_side=True,
+                                        do_handshake_on_connect=False)  # in each thread
+    with open(log_path, "a", buffering=1) as OwnHandler.log:
+        server.serve_forever()
 
 
 # The relay: 25 ms each way #####################################################################
@@ -488,6 +446,15 @@ class Tally:
             self.add(function(*args))
         except Exception as exc:  # andpush.Error or a peer's: counted, not fatal
             self.add(exc)
+
+
+def message_length(data: bytes) -> int:
+    """The length of the HTTP/1.1 message (Content-Length body) at the start of ``data``,
+    or 0 while it is incomplete."""
+    end = data.find(b"\r\n\r\n")
+    found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:end]) if end > 0 else None
+    length = end + 4 + (int(found.group(1)) if found else 0)
+    return length if end > 0 and len(data) >= length else 0
 
 
 class RawConnection:
