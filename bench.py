@@ -6,8 +6,9 @@ firebase-admin) run when importable: use a virtual environment's interpreter tha
 
 nginx (``apt-get install nginx-light``) runs from a temporary folder with the tests' throw-away
 certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM. Its
-access log gives the ``proto`` and ``conns`` columns. Without it, a one-thread HTTP/1.1 server
-of bench.py's own stands in (its figures do not count) and the HTTP/2 rows are not measured.
+access log gives the ``proto`` and ``conns`` columns. Without it (or with ``--own-server``) the
+standard library's HTTP/1.1 server stands in: its figures do not count, the HTTP/2 rows are not
+measured.
 
 ``(50 ms)`` rows go through a relay that holds bytes 25 ms each way (a new connection's first
 bytes a round trip more: its handshake). The measured round trip is the RTT of the ideals
