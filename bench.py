@@ -1,39 +1,30 @@
 """Benchmark andpush against a server we did not write: nginx on loopback.
 
-``python bench.py`` (a few minutes), ``--quick`` (a smoke run), ``--rows NAME,...`` (names or
-parts of names; ``--list`` shows them), ``--own-server`` (bench.py's own server even where nginx
-is installed). No network, no credentials. Peers (pyfcm, firebase-admin) run when importable:
-run bench.py with the interpreter of a virtual environment that has them.
+``python bench.py`` (a few minutes); ``--quick`` (a smoke run), ``--rows NAME,...`` (parts of
+names; ``--list`` shows them), ``--own-server``. No network, no credentials. The peers (pyfcm,
+firebase-admin) run when importable: use a virtual environment's interpreter that has them.
 
-nginx (``apt-get install nginx-light``) is started in a temporary folder of its own (config,
-pid file, logs, a throw-away CA and ECDSA P-256 certificate made with ``openssl``) and stopped
-at exit: one worker, HTTP/2 and HTTP/1.1 on one port (ALPN), 100 concurrent streams a
-connection as FCM, keep-alive limits no run reaches. It answers ``POST
-/v1/projects/<p>/messages:send`` with ``{"name": "projects/<p>/messages/0:1"}`` and ``POST
-/token`` (the peers' OAuth2 endpoint) with a token, and logs each request's connection and
-protocol: the ``proto`` and ``conns`` columns. Without nginx, bench.py says so on its first
-line and uses a small one-thread server of its own; those figures do not count.
+nginx (``apt-get install nginx-light``) runs from a temporary folder with the tests' throw-away
+certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM. Its
+access log gives the ``proto`` and ``conns`` columns. Without it (or with ``--own-server``) the
+standard library's HTTP/1.1 server stands in: its figures do not count, the HTTP/2 rows are not
+measured.
 
-Rows marked ``(50 ms)`` go through a relay (a process of its own: one thread, a selector, a
-timer heap) that holds bytes 25 ms each way, and a connection's first bytes a round trip more
-(the TCP handshake): handshakes cost what they cost against FCM. The round trip through it,
-measured first (median of sequential requests on a kept-alive connection), is the ``RTT`` of
-the ideals (concurrency / RTT). Row ``relay-ceiling`` drives a raw client through it: its
-msg/s over the relay's share of a core (what the relay could carry) must be 3x the top ideal.
-
-Each row runs in a child process (a new interpreter and client); server and relay run in
-others. ``msg/s``: successes over the timed wall time. ``CPU/1k``: the child's
-``time.process_time()`` (all threads) over the timed part, per 1,000 messages. ``ratio``: to
-the ideal, or to the floor (raw requests on one kept-alive TLS socket), which such a row runs
-itself, taking turns with it slice by slice so that other load hits both alike.
-``srv/relay``: the share of a core the server's worker and the relay used meanwhile (near
-100%: the row measured them). ``target``: the row's targets, all in ROWS below.
+``(50 ms)`` rows go through a relay that holds bytes 25 ms each way (a new connection's first
+bytes a round trip more: its handshake). The measured round trip is the RTT of the ideals
+(concurrency / RTT); row ``relay-ceiling`` shows the relay carries 3x the top one. Each row
+runs in a child process: ``msg/s`` is successes over wall time, ``CPU/1k`` the child's CPU (all
+threads) per 1,000 messages, ``ratio`` to the ideal or to the floor (raw requests on one
+kept-alive TLS socket; the row takes turns with its own floor), ``srv/relay`` the share of a
+core the server and relay used. The targets are all in ROWS.
 """
 
 import argparse
 import collections
 import concurrent.futures
+import functools
 import heapq
+import http.server
 import importlib.util
 import itertools
 import json
@@ -51,7 +42,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECT = "p"
@@ -62,6 +53,7 @@ DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
 ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
 RTT_SAMPLES = 9  #: sequential requests whose median is the measured round trip
 IMPORT_SAMPLES = 10  #: interpreter starts whose median is an import time
+QUICK_SHARE = 5  #: --quick times this share of each row's messages
 FLOOR_SLICES = 5  #: a row compared with the floor takes turns with it this many times
 CEILING_CONNECTIONS = 50  #: relay-ceiling: connections through the relay ...
 CEILING_DEPTH = 100  #: ... each with this many pipelined requests in flight
@@ -81,12 +73,11 @@ class Row:
     name: str
     kind: str  # what runs it: a key of SETUPS, or "import"
     title: str
-    count: int = 0  # messages timed (per batch)
-    quick: int = 0  # the same with --quick
+    count: int = 0  # messages timed (per batch); a fifth with --quick
     relayed: bool = False  # through the 50 ms relay
     http2: bool = True  # andpush.new(http2=...); the protocol the server must see
     concurrency: int = 1  # threads or push_many's concurrency: the ideal is concurrency / RTT
-    warm: int = 0  # messages push_many sends first, untimed, on the same client
+    warm: int = 0  # messages sent first, untimed, on the same client (push() or push_many)
     batches: int = 1
     base: str = ""  # what ``ratio`` divides by: "floor" or "ideal"
     min_ratio: Optional[float] = None
@@ -102,43 +93,41 @@ class Row:
 FBADMIN, PYFCM = "firebase_admin", "pyfcm"
 ROWS = [
     Row("floor", "floor", "raw socket, sequential HTTP/1.1, one kept-alive TLS socket",
-        count=5000, quick=1000, http2=False),
-    Row("push-h1", "push", "push() sequential, http2=False", count=5000, quick=1000,
-        http2=False, base="floor", min_ratio=0.6),
-    Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, quick=1000, base="floor",
+        count=5000, http2=False),
+    Row("push-h1", "push", "push() sequential, http2=False", count=5000, http2=False, warm=1,
+        base="floor", min_ratio=0.6),  # warm=1: connected, as the floor is
+    Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, warm=1, base="floor",
         cpu_at_most_row="push-h1"),
     Row("relay-ceiling", "ceiling", "raw pipelined HTTP/1.1 through the relay, %d conns x %d"
-        % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, quick=40_000, relayed=True,
-        http2=False, concurrency=700, base="ideal", min_relay_headroom=3.0),
-    Row("threads-100", "threads", "push() from 100 threads, new client", count=4000, quick=1000,
+        % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, relayed=True, http2=False,
+        concurrency=700, base="ideal", min_relay_headroom=3.0),
+    Row("threads-100", "threads", "push() from 100 threads, new client", count=4000,
         relayed=True, concurrency=100, base="ideal", min_ratio=0.9, max_conns=2, max_cpu=0.08),
     Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
-        count=10_000, quick=2000, relayed=True, concurrency=100, base="ideal"),
+        count=10_000, relayed=True, concurrency=100, base="ideal"),
     Row("many-700-new", "many", "push_many(concurrency=700), 10k on a new client",
-        count=10_000, quick=2000, relayed=True, concurrency=700, base="ideal", min_ratio=0.8),
+        count=10_000, relayed=True, concurrency=700, base="ideal", min_ratio=0.8),
     Row("many-100-warm", "many", "push_many(concurrency=100), 10k after a warm-up batch",
-        count=10_000, quick=2000, relayed=True, concurrency=100, warm=100, base="ideal"),
+        count=10_000, relayed=True, concurrency=100, warm=100, base="ideal"),
     Row("many-700-warm", "many", "push_many(concurrency=700), 10k after a warm-up batch",
-        count=10_000, quick=2000, relayed=True, concurrency=700, warm=700, base="ideal",
-        min_ratio=0.88),
+        count=10_000, relayed=True, concurrency=700, warm=700, base="ideal", min_ratio=0.88),
     Row("many-700-x10", "many", "push_many(concurrency=700), 10 batches of 10k, one client",
-        count=10_000, quick=1000, relayed=True, concurrency=700, batches=10, base="ideal",
-        min_ratio=0.92, max_cpu=0.025),
+        count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", min_ratio=0.92,
+        max_cpu=0.025),
     Row("many-direct", "many", "push_many(concurrency=100), no delay: client-bound",
-        count=50_000, quick=10_000, concurrency=100, warm=100, min_rate=40_000),
+        count=50_000, concurrency=100, warm=100, min_rate=40_000),
     Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client",
-        count=10_000, quick=2000, relayed=True, http2=False, concurrency=100, base="ideal",
-        min_ratio=0.9, max_cpu=0.10),
+        count=10_000, relayed=True, http2=False, concurrency=100, base="ideal", min_ratio=0.9,
+        max_cpu=0.10),
     Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client",
-        count=10_000, quick=2000, relayed=True, http2=False, concurrency=200, base="ideal",
-        min_ratio=0.9, max_cpu=0.10),
-    Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, quick=200,
-        http2=False, base="floor", module=PYFCM),
+        count=10_000, relayed=True, http2=False, concurrency=200, base="ideal", min_ratio=0.9,
+        max_cpu=0.10),
+    Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, http2=False,
+        base="floor", module=PYFCM),
     Row("fbadmin-send", "fbadmin-send", "peer: firebase-admin messaging.send() sequential",
-        count=1000, quick=200, http2=False, base="floor", module=FBADMIN),
+        count=1000, http2=False, base="floor", module=FBADMIN),
     Row("fbadmin-each", "fbadmin-each", "peer: firebase-admin send_each, chunks of 500",
-        count=2000, quick=1000, relayed=True, http2=False, concurrency=100, base="ideal",
-        module=FBADMIN),
+        count=2000, relayed=True, http2=False, concurrency=100, base="ideal", module=FBADMIN),
     Row("import-andpush", "import", "import andpush (cached bytecode, median of 10)",
         module="andpush", max_ms=40),
     Row("import-pyfcm", "import", "import pyfcm", module=PYFCM),
@@ -168,25 +157,22 @@ def _die_with_parent() -> None:
         pass
 
 
-def start(argv: List[str], what: str, port: int = 0) -> Tuple["subprocess.Popen[bytes]", int]:
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start(argv: List[str], what: str, port: int) -> "subprocess.Popen[bytes]":
     """Start a helper (server, relay), remembered so that it is stopped; wait until it
-    listens on ``port``, or read the port it prints on its first line."""
-    helper = subprocess.Popen(argv, stdout=subprocess.DEVNULL if port else subprocess.PIPE,
-                              stderr=subprocess.DEVNULL if port else None,
-                              preexec_fn=_die_with_parent)
+    listens on ``port``."""
+    helper = subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     _helpers.append(helper)
     deadline = time.monotonic() + START_DEADLINE
-    if not port:
-        assert helper.stdout is not None
-        with selectors.DefaultSelector() as ready:
-            ready.register(helper.stdout, selectors.EVENT_READ)
-            line = helper.stdout.readline() if ready.select(START_DEADLINE) else b""
-        if line.strip().isdigit():
-            return helper, int(line)
-    while port and time.monotonic() < deadline and helper.poll() is None:
+    while time.monotonic() < deadline and helper.poll() is None:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return helper, port
+            return helper
         except OSError:
             time.sleep(0.05)
     raise RuntimeError("%s did not start (exit status %s)" % (what, helper.poll()))
@@ -214,47 +200,16 @@ def cpu_seconds(pid: int) -> Optional[float]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-# Certificates ##################################################################################
-
-SERVER_EXTENSIONS = """subjectAltName = DNS:localhost, IP:127.0.0.1
-basicConstraints = critical, CA:FALSE
-keyUsage = critical, digitalSignature
-extendedKeyUsage = serverAuth
-subjectKeyIdentifier = hash
-authorityKeyIdentifier = keyid:always
-"""
-
-
-def make_certificates(folder: str, rsa_key: bool) -> Dict[str, str]:
-    """A throw-away CA and a server certificate for 127.0.0.1 that it signed (valid on 3.8 to
-    3.13, strict verification included), and with ``rsa_key`` an RSA key for the peers'
-    service account. Without the openssl command: the test PEMs of test_andpush.py."""
-    paths = {name: os.path.join(folder, name) for name in ("ca.pem", "cert.pem", "key.pem",
-                                                           "rsa.pem")}
-    if shutil.which("openssl") is None:
-        import test_andpush as t
-        for name, text in zip(paths, (t.TEST_CA_PEM, t.TEST_SERVER_CERT_PEM,
-                                      t.TEST_SERVER_KEY_PEM, t.TEST_RSA_KEY_PKCS8_PEM)):
-            with open(paths[name], "w") as f:
-                f.write(text)
-        return paths
-    ca_key, csr, ext = (os.path.join(folder, n) for n in ("ca.key", "cert.csr", "ext.cnf"))
-    with open(ext, "w") as f:
-        f.write(SERVER_EXTENSIONS)
-    ec = ["-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256"]
-    commands = [
-        ["genpkey", *ec, "-out", ca_key],
-        ["req", "-x509", "-new", "-key", ca_key, "-subj", "/CN=andpush bench CA", "-days", "2",
-         "-addext", "basicConstraints=critical,CA:TRUE",
-         "-addext", "keyUsage=critical,keyCertSign,cRLSign", "-out", paths["ca.pem"]],
-        ["genpkey", *ec, "-out", paths["key.pem"]],
-        ["req", "-new", "-key", paths["key.pem"], "-subj", "/CN=localhost", "-out", csr],
-        ["x509", "-req", "-in", csr, "-CA", paths["ca.pem"], "-CAkey", ca_key,
-         "-CAcreateserial", "-days", "2", "-extfile", ext, "-out", paths["cert.pem"]],
-    ] + [["genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
-          "-out", paths["rsa.pem"]]] * rsa_key
-    for command in commands:
-        subprocess.run(["openssl", *command], check=True, capture_output=True)
+def write_certificates(folder: str) -> Dict[str, str]:
+    """The test suite's throw-away CA, its ECDSA P-256 certificate for 127.0.0.1 and key, and
+    an RSA key for the peers' service account, as files in ``folder``."""
+    import test_andpush as t
+    paths = {}
+    for name, text in (("ca.pem", t.TEST_CA_PEM), ("cert.pem", t.TEST_SERVER_CERT_PEM),
+                       ("key.pem", t.TEST_SERVER_KEY_PEM), ("rsa.pem", t.TEST_RSA_KEY_PKCS8_PEM)):
+        paths[name] = os.path.join(folder, name)
+        with open(paths[name], "w") as f:
+            f.write(text)
     return paths
 
 
@@ -297,9 +252,7 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
     temp = ["client_body"] + [m for m in ("proxy", "fastcgi", "uwsgi", "scgi")
                               if "--without-http_%s_module" % m not in built]
     modern = found is not None and tuple(map(int, found.groups())) >= (1, 25, 1)
-    with socket.socket() as probe:  # a free port
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
+    port = free_port()
     config = os.path.join(folder, "nginx.conf")
     with open(config, "w") as f:
         f.write(NGINX_CONFIG.format(
@@ -310,8 +263,8 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
             listen_http2="" if modern else " http2",  # "http2 on;" is nginx 1.25.1's
             http2_on="http2 on;" if modern else "", token=TOKEN_BODY.decode()))
     try:
-        master, _ = start([nginx, "-p", folder, "-c", config, "-e", folder + "/error.log"],
-                          "nginx", port)
+        master = start([nginx, "-p", folder, "-c", config, "-e", folder + "/error.log"],
+                       "nginx", port)
     except RuntimeError:
         with open(os.path.join(folder, "error.log")) as f:
             raise RuntimeError("nginx did not start:\n" + f.read()[-2000:]) from None
@@ -324,143 +277,49 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
 
 
 # bench.py's own server (only without nginx) ####################################################
-# One thread, a selector over non-blocking TLS sockets. HTTP/1.1: keep-alive, Content-Length
-# bodies, routed by the request line. HTTP/2: request headers are not decoded; every stream that
-# ends gets constant frames. It logs what nginx is configured to log ("-" for an HTTP/2 path).
+# The standard library's threading HTTP/1.1 server (the HTTP/2 rows need nginx), logging as
+# nginx does: a connection (its client's port), the protocol, the path.
 
-H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, SETTINGS, PING, WINDOW_UPDATE = 0, 1, 4, 6, 8
-END_STREAM = ACK = 0x1
-END_HEADERS = 0x4
-H2_WINDOW = 1 << 20  # the server's stream and connection receive windows
-CONNECTION = bytes(4)  # stream id 0
+class OwnHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    wbufsize = 65536  # an answer goes out in one write, at the flush after do_POST
+    log_lock = threading.Lock()
+    log: TextIO
 
+    def setup(self) -> None:
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().setup()
 
-def h2_frame(kind: int, flags: int, stream: bytes, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream + payload
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        status, body = ((200, V1_BODY) if self.path.endswith("/messages:send") else
+                        (200, TOKEN_BODY) if self.path == "/token" else (404, b"{}"))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        with self.log_lock:
+            self.log.write("%d HTTP/1.1 %s\n" % (self.client_address[1], self.path))
 
-
-H2_SERVER_PREFACE = h2_frame(SETTINGS, 0, CONNECTION, b"".join(
-    key.to_bytes(2, "big") + value.to_bytes(4, "big") for key, value in
-    ((0x3, H2_STREAMS), (0x4, H2_WINDOW)))) + h2_frame(
-    WINDOW_UPDATE, 0, CONNECTION, (H2_WINDOW - 65535).to_bytes(4, "big"))
-# HPACK: ":status: 200" is static entry 8; content-type (static name 31) a literal without
-# indexing: 4-bit prefix 15, then 31 - 15 = 16, then the raw value's length and the value.
-H2_ANSWER_BLOCK = b"\x88\x0f\x10\x10application/json"
-H1_ANSWERS = {path: (b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d"
-                     b"\r\n\r\n%s" % (status, len(body), body)) for path, status, body in (
-    ("send", b"200 OK", V1_BODY), ("/token", b"200 OK", TOKEN_BODY),
-    ("", b"404 Not Found", b'{"error": "not found"}'))}
-
-
-class OwnConnection:
-    """One client connection of the own server: TLS handshake, then requests."""
-
-    def __init__(self, sock: ssl.SSLSocket, serial: int) -> None:
-        self.sock, self.serial = sock, serial
-        self.protocol = ""  # after the handshake: "HTTP/1.1" or "HTTP/2.0"
-        self.inbox, self.out = bytearray(), bytearray()
-        self.unacknowledged = 0  # DATA bytes not yet given back by a WINDOW_UPDATE
-
-    def on_ready(self) -> List[str]:
-        """Handshake, read all there is, answer; the paths answered."""
-        if not self.protocol:
-            try:
-                self.sock.do_handshake()
-            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                return []
-            h2 = self.sock.selected_alpn_protocol() == "h2"
-            self.protocol = "HTTP/2.0" if h2 else "HTTP/1.1"
-            self.out += H2_SERVER_PREFACE if h2 else b""
-        answered: List[str] = []
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                break
-            if not data:
-                raise EOFError
-            self.inbox += data
-            answered += self.answer_h2() if self.protocol == "HTTP/2.0" else self.answer_h1()
-        while self.out:
-            try:
-                del self.out[:self.sock.send(self.out)]
-            except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                break
-        return answered
-
-    def answer_h1(self) -> List[str]:
-        answered, inbox = [], self.inbox
-        while True:
-            end = inbox.find(b"\r\n\r\n")
-            found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", inbox[:end])
-            stop = end + 4 + (int(found.group(1)) if found else 0)
-            if end < 0 or len(inbox) < stop:
-                return answered
-            path = bytes(inbox[:end]).split(b" ", 2)[1].decode("latin-1")
-            self.out += H1_ANSWERS["send" if path.endswith("/messages:send") else
-                                   path if path == "/token" else ""]
-            del inbox[:stop]
-            answered.append(path)
-
-    def answer_h2(self) -> List[str]:
-        inbox, answered, received = self.inbox, [], 0
-        offset = len(H2_PREFACE) if inbox.startswith(H2_PREFACE) else 0
-        while len(inbox) - offset >= 9 and len(inbox) >= offset + 9 + int.from_bytes(
-                inbox[offset:offset + 3], "big"):
-            stop = offset + 9 + int.from_bytes(inbox[offset:offset + 3], "big")
-            kind, flags, stream = inbox[offset + 3], inbox[offset + 4], inbox[offset + 5:offset + 9]
-            received += stop - offset - 9 if kind == DATA else 0
-            if kind in (DATA, HEADERS) and flags & END_STREAM:
-                self.out += (h2_frame(HEADERS, END_HEADERS, stream, H2_ANSWER_BLOCK)
-                             + h2_frame(DATA, END_STREAM, stream, V1_BODY))
-                answered.append("-")
-            elif kind in (SETTINGS, PING) and not flags & ACK:
-                self.out += h2_frame(kind, ACK, stream, inbox[offset + 9:stop] if kind == PING
-                                     else b"")
-            offset = stop
-        del inbox[:offset]
-        self.unacknowledged += received
-        if self.unacknowledged >= H2_WINDOW // 2:
-            self.out += h2_frame(WINDOW_UPDATE, 0, CONNECTION,
-                                 self.unacknowledged.to_bytes(4, "big"))
-            self.unacknowledged = 0
-        return answered
+    def log_message(self, *args: Any) -> None:
+        pass
 
 
-def serve(cert: str, key: str, log_path: str) -> None:
-    """The own server's loop (``--serve``): prints its port, then serves until killed."""
+class OwnServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024  # the listen backlog: up to 700 connections come at once
+
+
+def serve(port: int, cert: str, key: str, log_path: str) -> None:
+    """The own server (``--serve``): serves on ``port`` until killed."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
-    context.set_alpn_protocols(["h2", "http/1.1"])
-    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    serials = itertools.count(1)
-    print(listener.getsockname()[1], flush=True)
-    with open(log_path, "a") as log:
-        while True:
-            for ready, _ in selector.select():
-                if ready.data is None:
-                    raw, _ = listener.accept()
-                    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    raw.setblocking(False)
-                    tls = context.wrap_socket(raw, server_side=True,
-                                              do_handshake_on_connect=False)
-                    selector.register(tls, selectors.EVENT_READ, OwnConnection(tls, next(serials)))
-                    continue
-                connection: OwnConnection = ready.data
-                try:
-                    answered = connection.on_ready()
-                except (OSError, EOFError):
-                    selector.unregister(connection.sock)
-                    connection.sock.close()
-                    continue
-                log.write("".join("%d %s %s\n" % (connection.serial, connection.protocol, path)
-                                  for path in answered))
-                selector.modify(connection.sock, selectors.EVENT_READ | (
-                    selectors.EVENT_WRITE if connection.out else 0), connection)
-            log.flush()
+    context.set_alpn_protocols(["http/1.1"])
+    server = OwnServer(("127.0.0.1", port), OwnHandler)
+    server.socket = context.wrap_socket(server.socket, server_side=True,
+                                        do_handshake_on_connect=False)  # in each thread
+    with open(log_path, "a", buffering=1) as OwnHandler.log:
+        server.serve_forever()
 
 
 # The relay: 25 ms each way #####################################################################
@@ -476,30 +335,16 @@ class Leg:
         self.not_before = not_before  # what this socket reads goes on no earlier than this
         self.out = bytearray()
         self.peer: "Leg" = self
-        self.reading, self.closed = True, False
-        self.events = 0  # what the selector watches for now
-        self.watch()
-
-    def watch(self) -> None:
-        events = ((selectors.EVENT_READ if self.reading else 0)
-                  | (selectors.EVENT_WRITE if self.out else 0))
-        if events != self.events:
-            if not self.events:
-                self.selector.register(self.sock, events, self)
-            elif not events:
-                self.selector.unregister(self.sock)
-            else:
-                self.selector.modify(self.sock, events, self)
-            self.events = events
+        self.writing = self.closed = False  # writing: the selector watches for writability
+        selector.register(sock, selectors.EVENT_READ, self)
 
     def deliver(self, data: bytes) -> None:
-        """Bytes whose delay is over (b"": the other side closed: close once written)."""
-        if self.closed:
-            return
-        self.out += data
-        self.flush()
-        if not data and not self.closed:
-            self.close()
+        """Bytes whose delay is over (b"": the other side closed: close after them)."""
+        if not self.closed:
+            self.out += data
+            self.flush()
+            if not data:
+                self.close()
 
     def flush(self) -> None:
         try:
@@ -507,13 +352,16 @@ class Leg:
                 del self.out[:self.sock.send(self.out)]
         except BlockingIOError:
             pass
-        except OSError:
+        except OSError:  # the far end is gone: so is the connection
             self.close()
-            return
-        self.watch()
+            self.peer.close()
+        if not self.closed and self.writing != bool(self.out):
+            self.writing = bool(self.out)
+            self.selector.modify(self.sock, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if self.writing else 0), self)
 
     def receive(self) -> Optional[bytes]:
-        """What the socket has (b"" at its end, None if nothing yet)."""
+        """What the socket has (b"" at its end, and the socket is closed), None if nothing yet."""
         try:
             data = self.sock.recv(262144)
         except BlockingIOError:
@@ -521,28 +369,24 @@ class Leg:
         except OSError:
             data = b""
         if not data:
-            self.reading = False
-            self.watch()
+            self.close()
         return data
 
     def close(self) -> None:
-        for leg in (self, self.peer):
-            if not leg.closed:
-                leg.closed, leg.reading = True, False
-                leg.out.clear()
-                leg.watch()
-                leg.sock.close()
+        if not self.closed:
+            self.closed = True
+            self.selector.unregister(self.sock)
+            self.sock.close()
 
 
-def relay(upstream_port: int, delay: float) -> None:
-    """The relay's loop (``--relay``): prints its port, then relays until killed."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+def relay(port: int, upstream_port: int, delay: float) -> None:
+    """The relay's loop (``--relay``): relays from ``port`` until killed."""
+    listener = socket.create_server(("127.0.0.1", port), backlog=1024)
     listener.setblocking(False)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     due: List[Tuple[float, int, Leg, bytes]] = []  # a heap: (when, order, to whom, what)
     order = itertools.count()
-    print(listener.getsockname()[1], flush=True)
     while True:
         now = time.monotonic()
         while due and due[0][0] <= now:
@@ -605,6 +449,15 @@ class Tally:
             self.add(exc)
 
 
+def message_length(data: bytes) -> int:
+    """The length of the HTTP/1.1 message (Content-Length body) at the start of ``data``,
+    or 0 while it is incomplete."""
+    end = data.find(b"\r\n\r\n")
+    found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:end]) if end > 0 else None
+    length = end + 4 + (int(found.group(1)) if found else 0)
+    return length if end > 0 and len(data) >= length else 0
+
+
 class RawConnection:
     """Pre-built HTTP/1.1 requests on one kept-alive TLS socket: no client can do less."""
 
@@ -624,21 +477,15 @@ class RawConnection:
     def exchange(self) -> bytes:
         self.sock.sendall(self.request)
         data = b""
-        while True:
+        while not message_length(data):
             more = self.sock.recv(65536)
             if not more:
                 raise ConnectionError("the server closed the connection")
             data += more
-            end = data.find(b"\r\n\r\n")
-            found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:end]) if end > 0 else None
-            if found and len(data) >= end + 4 + int(found.group(1)):
-                if not data.startswith(b"HTTP/1.1 200 "):
-                    raise RuntimeError("unexpected answer %r" % data[:60])
-                return data
+        if not data.startswith(b"HTTP/1.1 200 "):
+            raise RuntimeError("unexpected answer %r" % data[:60])
+        return data
 
-    def repeat(self, tally: Tally, count: int) -> None:
-        for _ in range(count):
-            tally.call(self.exchange)
 
 
 def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None:
@@ -676,16 +523,17 @@ def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None
 Work = Tuple[Callable[[Tally, int], None], Callable[[], object]]  # timed part, clean-up
 
 
-def andpush_client(row: Row, port: int, cafile: str) -> Any:
-    import andpush
-    return andpush.new(access_token="bench-token", project_id=PROJECT,
-                       endpoint="https://127.0.0.1:%d" % port,
-                       ssl_context=ssl.create_default_context(cafile=cafile), http2=row.http2)
+def repeated(call: Callable[[], object]) -> Callable[[Tally, int], None]:
+    """A sequential row's timed part: ``call`` as many times as it is told, tallied."""
+    def work(tally: Tally, count: int) -> None:
+        for _ in range(count):
+            tally.call(call)
+    return work
 
 
 def setup_floor(row: Row, port: int, cafile: str, project: str = PROJECT) -> Work:
     connection = RawConnection(port, cafile, project)
-    return connection.repeat, connection.sock.close
+    return repeated(connection.exchange), connection.sock.close
 
 
 def setup_ceiling(row: Row, port: int, cafile: str) -> Work:
@@ -696,47 +544,42 @@ def setup_ceiling(row: Row, port: int, cafile: str) -> Work:
             lambda: [c.sock.close() for c in connections])
 
 
-def setup_push(row: Row, port: int, cafile: str) -> Work:
-    client = andpush_client(row, port, cafile)
-    client.push(MESSAGE)  # the connection is up, as the floor's is
+def setup_andpush(row: Row, port: int, cafile: str) -> Work:
+    """A new client: push() in sequence or from threads, or push_many batches."""
+    import andpush
+    client = andpush.new(access_token="bench-token", project_id=PROJECT,
+                         endpoint="https://127.0.0.1:%d" % port,
+                         ssl_context=ssl.create_default_context(cafile=cafile), http2=row.http2)
 
-    def work(tally: Tally, count: int) -> None:
+    def sequential(tally: Tally, count: int) -> None:
         for message in messages(count):
             tally.call(client.push, message)
-    return work, client.close
 
+    def threads(tally: Tally, count: int) -> None:
+        parts = [Tally() for _ in range(row.concurrency)]  # one per thread: no lock
+        workers = [threading.Thread(target=sequential, args=(part, count // row.concurrency))
+                   for part in parts]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        for part in parts:
+            tally.ok, tally.failed = tally.ok + part.ok, tally.failed + part.failed
+            tally.first_error = tally.first_error or part.first_error
 
-def setup_threads(row: Row, port: int, cafile: str) -> Work:
-    client = andpush_client(row, port, cafile)
-
-    def work(tally: Tally, count: int) -> None:
-        tallies = [Tally() for _ in range(row.concurrency)]  # one per thread: no lock
-        threads = [threading.Thread(target=lambda t=t: [
-            t.call(client.push, m) for m in messages(count // row.concurrency)])
-            for t in tallies]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for each in tallies:
-            tally.ok, tally.failed = tally.ok + each.ok, tally.failed + each.failed
-            tally.first_error = tally.first_error or each.first_error
-    return work, client.close
-
-
-def setup_many(row: Row, port: int, cafile: str) -> Work:
-    client = andpush_client(row, port, cafile)
-    warm = Tally()
-    for _, outcome in client.push_many(messages(row.warm), concurrency=row.concurrency):
-        warm.add(outcome)
-    if warm.failed:
-        raise RuntimeError("warm-up failed: " + warm.first_error)
-
-    def work(tally: Tally, count: int) -> None:
-        for _ in range(row.batches):
+    def many(tally: Tally, count: int, batches: int = row.batches) -> None:
+        for _ in range(batches):
             for _, outcome in client.push_many(messages(count), concurrency=row.concurrency):
                 tally.add(outcome)
-    return work, client.close
+
+    warm = Tally()
+    if row.kind == "many":
+        many(warm, row.warm, 1)
+    else:
+        sequential(warm, row.warm)
+    if warm.failed:
+        raise RuntimeError("warm-up failed: " + warm.first_error)
+    return {"push": sequential, "threads": threads, "many": many}[row.kind], client.close
 
 
 def service_account(port: int, rsa_key: str) -> Dict[str, str]:
@@ -756,16 +599,12 @@ def setup_pyfcm(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
     fcm = FCMNotification(credentials=credentials, project_id=PROJECT)
     fcm.FCM_END_POINT_BASE = "https://127.0.0.1:%d/v1/projects" % port  # a class constant
 
-    def notify() -> object:
-        return fcm.notify(fcm_token=DEVICE_TOKEN, notification_title="Benchmark",
-                          notification_body="andpush benchmark push",
-                          data_payload={"kind": "bench", "id": "0"})
+    notify = functools.partial(fcm.notify, fcm_token=DEVICE_TOKEN,
+                               notification_title="Benchmark",
+                               notification_body="andpush benchmark push",
+                               data_payload={"kind": "bench", "id": "0"})
     notify()
-
-    def work(tally: Tally, count: int) -> None:
-        for _ in range(count):
-            tally.call(notify)
-    return work, lambda: None
+    return repeated(notify), lambda: None
 
 
 def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
@@ -788,24 +627,21 @@ def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
     message = messaging.Message(token=DEVICE_TOKEN, data=MESSAGE["data"],
                                 notification=messaging.Notification(title="Benchmark",
                                                                     body="andpush push"))
-    messaging.send(message, app=app)
-
-    def send(tally: Tally, count: int) -> None:
-        for _ in range(count):
-            tally.call(lambda: messaging.send(message, app=app))
+    send = functools.partial(messaging.send, message, app=app)
+    send()
 
     def send_each(tally: Tally, count: int) -> None:
         for start_at in range(0, count, 500):
             batch = messaging.send_each([message] * min(500, count - start_at), app=app)
             for response in batch.responses:
                 tally.add(response.message_id if response.success else response.exception)
-    return (send if row.kind == "fbadmin-send" else send_each,
+    return (repeated(send) if row.kind == "fbadmin-send" else send_each,
             lambda: firebase_admin.delete_app(app))
 
 
 SETUPS: Dict[str, Callable[..., Work]] = {
-    "floor": setup_floor, "ceiling": setup_ceiling, "push": setup_push,
-    "threads": setup_threads, "many": setup_many, "pyfcm": setup_pyfcm,
+    "floor": setup_floor, "ceiling": setup_ceiling, "push": setup_andpush,
+    "threads": setup_andpush, "many": setup_andpush, "pyfcm": setup_pyfcm,
     "fbadmin-send": setup_fbadmin, "fbadmin-each": setup_fbadmin,
 }
 
@@ -813,7 +649,7 @@ SETUPS: Dict[str, Callable[..., Work]] = {
 def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Dict[str, Any]:
     """Set a row's client up, time its work (taking turns with a floor of its own when it is
     compared with the floor), and say how it went: printed as JSON for the parent."""
-    count = row.quick if quick else row.count
+    count = row.count // QUICK_SHARE if quick else row.count
     sides = {"row": SETUPS[row.kind](row, port, cafile, *[rsa_key] * bool(row.module))}
     if row.base == "floor":
         sides["floor"] = setup_floor(row, port, cafile, FLOOR_PROJECT)
@@ -882,6 +718,9 @@ def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) ->
         return result
     if row.kind == "import":
         return import_row(row, result)
+    if row.http2 and setting.server != "nginx":
+        result.note = "not measured: HTTP/2 rows need nginx"
+        return result
     with open(setting.log, "rb") as f:
         offset = f.seek(0, os.SEEK_END)
     before = cpu_seconds(setting.server_pid), cpu_seconds(setting.relay_pid)
@@ -992,10 +831,11 @@ def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
               "nginx-light)" % (" (--own-server)" if nginx else " installed"), flush=True)
         log, server = os.path.join(folder, "own.log"), "own"
         open(log, "w").close()
-        process, port = start(me + ["--serve", certs["cert.pem"], certs["key.pem"], log],
-                              "the own server")
-        pid = process.pid
-    relay_process, relay_port = start(me + ["--relay", str(port)], "the relay")
+        port = free_port()
+        pid = start(me + ["--serve", str(port), certs["cert.pem"], certs["key.pem"], log],
+                    "the own server", port).pid
+    relay_port = free_port()
+    relay_process = start(me + ["--relay", str(relay_port), str(port)], "the relay", relay_port)
     setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs)
     setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
     print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
@@ -1013,22 +853,22 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     for hidden in ("--child", "--cafile", "--rsa-key"):  # what bench.py passes its helpers
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--relay", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--relay", type=int, nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.serve:
-        serve(*args.serve)
+        serve(int(args.serve[0]), *args.serve[1:])
     by_name = {row.name: row for row in ROWS}
     if args.child:
         print(json.dumps(run_child(by_name[args.child], args.port, args.cafile, args.rsa_key,
                                    args.quick)))
         return 0
     if args.relay:
-        relay(args.relay, ONE_WAY_DELAY)
+        relay(*args.relay, ONE_WAY_DELAY)
     wanted = args.rows.split(",") if args.rows else []
     rows = [row for row in ROWS if not wanted or any(w and w in row.name for w in wanted)]
     if args.list or not rows:
@@ -1038,9 +878,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
-            peers = any(row.kind in SETUPS and row.module and not missing_package(row)
-                        for row in rows)
-            setting = start_servers(folder, make_certificates(folder, peers), args.own_server)
+            setting = start_servers(folder, write_certificates(folder), args.own_server)
             done: Dict[str, Result] = {}
             for row in rows:
                 print("running %s ..." % row.name, file=sys.stderr, flush=True)
