@@ -1970,6 +1970,7 @@ class _Loop:
         self._needs_token: List[_Exchange] = []
         self._refreshing: List[_Signer] = []
         self._dirty: List[_Link] = []
+        self._due = 0.0  # when _expire next has something to do, as _timeout found
 
     # Any thread -------------------------------------------------------------------
 
@@ -2101,7 +2102,8 @@ class _Loop:
         now = self.policy.clock.now()
         self._fire_timers(now)
         self._feed_batches()
-        self._expire(now)
+        if now >= self._due:
+            self._expire(now)
         for link in self._dirty:
             self._write(link)
         self._dirty = []
@@ -2537,9 +2539,10 @@ class _Loop:
                     due.append(h2.idle_since + self._keep_alive_timeout)
             due.extend(h1.exchange.deadline for h1 in route.busy if h1.exchange)
             due.extend(h1.idle_since + self._keep_alive_timeout for h1 in route.idle)
+        self._due = min(due) if due else math.inf
         if not due:
             return 0.0 if self._is_idle() else None  # idle: the next turn ends the thread
-        return max(0.0, min(due) - now + 0.001)
+        return max(0.0, self._due - now + 0.001)
 
     # Ending -------------------------------------------------------------------------
 

@@ -6780,18 +6780,18 @@ class EngineTest(HTTP2TestCase):
         self.server.reply_delay = 0.05
         client = self.h2_client()
         client.push(V1_MESSAGE)
-        expire = andpush._Loop._expire
+        fire_timers = andpush._Loop._fire_timers
         calls = []
 
         def fails_once(loop: andpush._Loop, now: float) -> None:
             calls.append(now)
             if len(calls) == 3:
                 raise RuntimeError("a bug in the I/O loop")
-            expire(loop, now)
+            fire_timers(loop, now)
 
         messages = CountingMessages(20)
         outcomes: List[Any] = []
-        with unittest.mock.patch.object(andpush._Loop, "_expire", fails_once), \
+        with unittest.mock.patch.object(andpush._Loop, "_fire_timers", fails_once), \
                 self.assertLogs("andpush", "ERROR"):
             try:
                 outcomes.extend(client.push_many(messages))
