@@ -1585,6 +1585,8 @@ class _H2Connection:
             self._complete(stream)
 
     def _on_reset(self, stream_id: int, payload: bytes) -> None:
+        if stream_id not in self.streams:
+            return  # ended already: nginx resets each stream it answered before its body
         code = int.from_bytes(payload[:4], "big")
         if code == _REFUSED_STREAM:
             self._finish(stream_id, _NotProcessed("the server refused the stream"))
