@@ -2013,6 +2013,8 @@ class _Loop:
 
     def close(self) -> None:
         """End every connection; requests still under way end with a NetworkError."""
+        if self._pid != os.getpid():
+            self._lock = threading.Lock()  # the parent's thread may have held it at the fork
         with self._lock:
             if self._closed:
                 return
@@ -2031,6 +2033,8 @@ class _Loop:
         return reader, writer
 
     def _post(self, work: Callable[[], None]) -> None:
+        if self._pid != os.getpid():
+            self._lock = threading.Lock()  # the parent's thread may have held it at the fork
         with self._lock:
             if self._closed:
                 raise ValueError("the client is closed; create a new one")
