@@ -2213,8 +2213,8 @@ class _Loop:
             wanted = -(-len(route.waiting) // per) - coming
         elif route.speaks_h2 is False:
             wanted = len(route.waiting) - route.connecting
-        else:
-            wanted = 1 - route.connecting
+        else:  # the first connections: as many as HTTP/2 would need, all at once
+            wanted = -(-len(route.waiting) // _H2_STREAMS_EXPECTED) - route.connecting
         for _ in range(min(wanted, route.limit - route.connections())):
             route.connecting += 1
             threading.Thread(target=self._connect, args=(route,), name="andpush-connect",
