@@ -1914,6 +1914,7 @@ class _Route:
         self.idle: List[_H1Link] = []            # most recently used last
         self.busy: List[_H1Link] = []
         self.connecting = 0
+        self.generation = 0                      # counts resets: a connect from before is stale
         self.waiting: Deque[_Exchange] = collections.deque()
 
     def request(self, method: str, path: str, headers: Dict[str, str], body: bytes,
@@ -1932,6 +1933,7 @@ class _Route:
         """Forget every connection and request: in a forked child, or after a crash."""
         self.h2, self.idle, self.busy = [], [], []
         self.connecting = 0
+        self.generation += 1
         self.waiting.clear()
 
     def __repr__(self) -> str:
@@ -2222,18 +2224,24 @@ class _Loop:
 
     def _connect(self, route: _Route) -> None:
         """On a thread of its own: connect, then hand the socket (or the error) to the loop."""
+        generation = route.generation
         try:
             result: Union[socket.socket, NetworkError] = _connect(
                 route.origin, self._ssl_context, self._connect_timeout)
         except NetworkError as exc:
             result = exc
         try:
-            self._post(lambda: self._connected(route, result))
+            self._post(lambda: self._connected(route, result, generation))
         except ValueError:  # the client was closed meanwhile
             if isinstance(result, socket.socket):
                 result.close()
 
-    def _connected(self, route: _Route, result: Union[socket.socket, NetworkError]) -> None:
+    def _connected(self, route: _Route, result: Union[socket.socket, NetworkError],
+                   generation: int) -> None:
+        if generation != route.generation:  # asked for before a crash: nobody counts on it
+            if isinstance(result, socket.socket):
+                result.close()
+            return
         route.connecting -= 1
         if isinstance(result, NetworkError):
             self._connect_failed(route, result)
