@@ -2300,7 +2300,10 @@ class _Loop:
             result: Union[Tuple[Dict[str, str], str], Error] = signer.headers()
         except Error as exc:
             result = exc
-        self._post(lambda: self._refreshed(signer, result))
+        except ValueError:  # the client was closed meanwhile: its exchanges have ended
+            return
+        with contextlib.suppress(ValueError):
+            self._post(lambda: self._refreshed(signer, result))
 
     def _refreshed(self, signer: _Signer,
                    result: Union[Tuple[Dict[str, str], str], Error]) -> None:

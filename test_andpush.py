@@ -4280,6 +4280,35 @@ class ApplicationDefaultCredentialsTest(unittest.TestCase):
         self.assertEqual(self.google.processed, 0)
 
 
+class ClosingTest(V1TestCase):
+    def test_closing_while_a_token_is_fetched_ends_the_push_and_leaves_no_thread_failing(
+            self) -> None:
+        self.server.reply_delay = 0.2  # the token request among them
+        client = self.v1_client()
+        failures: List[Any] = []
+        outcome: List[BaseException] = []
+        original_hook = threading.excepthook
+        threading.excepthook = failures.append  # type: ignore[assignment]
+        self.addCleanup(setattr, threading, "excepthook", original_hook)
+
+        def push() -> None:
+            try:
+                client.push(V1_MESSAGE)
+            except BaseException as exc:  # noqa: BLE001
+                outcome.append(exc)
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        time.sleep(0.05)
+        client.close()
+        pusher.join(2)
+        time.sleep(0.3)  # the token request ends, to a closed client
+        self.assertFalse(pusher.is_alive())
+        self.assertIsInstance(outcome[0], andpush.NetworkError)
+        self.assertFalse(outcome[0].may_have_been_delivered)  # not sent: no token yet
+        self.assertEqual(failures, [])
+
+
 class TopicManagementTest(V1TestCase):
     def test_subscribe_and_unsubscribe_one_outcome_per_token(self) -> None:
         client = self.v1_client()
