@@ -633,7 +633,7 @@ class _Exchange:
 
     __slots__ = ("route", "method", "path", "headers", "body", "signer", "retry", "paced",
                  "signed", "token", "resends", "outcome", "on_done", "index", "tokens",
-                 "link", "timeout", "deadline")
+                 "timeout", "deadline")
 
     def __init__(self, route: "_Route", method: str, path: str, body: bytes, retry: _Retry,
                  *, signer: Optional[_Signer] = None, headers: Optional[Dict[str, str]] = None,
@@ -653,7 +653,6 @@ class _Exchange:
         self.on_done: Callable[["_Exchange"], None] = _ignore
         self.index = 0                       # its place in a push_many
         self.tokens: Tuple[str, ...] = ()    # the device tokens of a legacy push
-        self.link: Optional[object] = None   # the connection carrying the current attempt
         self.timeout = 0.0                   # seconds to wait for an answer (0: the client's)
         self.deadline = 0.0
 
@@ -2319,7 +2318,6 @@ class _Loop:
                 self._enqueue(exchange)
 
     def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str]) -> None:
-        exchange.link = link
         exchange.deadline = self.policy.clock.now() + (exchange.timeout or self._read_timeout)
         if isinstance(link, _H2Link):
             link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
@@ -2495,7 +2493,6 @@ class _Loop:
 
     def _settle(self, exchange: _Exchange, result: Union[Response, Exception]) -> None:
         """Hand an attempt's result to the policy, and do what it says."""
-        exchange.link = None
         wait = self.policy.decide(exchange, result)
         if wait is None:
             exchange.on_done(exchange)
@@ -2625,8 +2622,9 @@ class _Batch:
         self.concurrency = concurrency
         self._window = concurrency * _WINDOW_PER_WORKER
         self._progress = progress
-        self._condition = threading.Condition()  # the consumer waits on it for its next pair
-        self._room = threading.Condition(self._lock_of(self._condition))  # the feeder's
+        lock = threading.Lock()
+        self._condition = threading.Condition(lock)  # the consumer waits on it for its pair
+        self._room = threading.Condition(lock)       # the feeder waits on it for room
         self._prepared: Deque[_Exchange] = collections.deque()
         self._items_out: Dict[int, Any] = {}  # the item of each exchange not yet ended
         self._outcomes: Dict[int, Tuple[Any, Outcome]] = {}
@@ -2639,11 +2637,6 @@ class _Batch:
         self._discarded = False
         self._loop_waits = False  # the loop found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None  # raised after the last pair
-
-    @staticmethod
-    def _lock_of(condition: threading.Condition) -> Any:
-        """The lock under ``condition``, for a second condition over the same state."""
-        return condition._lock  # type: ignore[attr-defined]
 
     def _wake_all(self) -> None:
         """Both waiters: the state changed for everyone (the lock is held)."""
