@@ -5794,23 +5794,9 @@ def _h2_goaway_payload(last_stream_id: int, error_code: int, debug: bytes = b"")
     return last_stream_id.to_bytes(4, "big") + error_code.to_bytes(4, "big") + debug
 
 
-def _hpack_int(value: int, prefix_bits: int, flags: int) -> bytes:
-    """An HPACK integer (RFC 7541 5.1) with flags in the bits above its prefix."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((flags | value,))
-    out = bytearray((flags | limit,))
-    value -= limit
-    while value >= 0x80:
-        out.append(0x80 | value & 0x7F)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _hpack_string(data: bytes) -> bytes:
     """An HPACK string literal, raw (no Huffman), as haproxy and mostly h2o send them."""
-    return _hpack_int(len(data), 7, 0) + data
+    return _hpack_encode_int(len(data), 7, 0) + data
 
 
 class _H2HeaderEncoder:
@@ -5833,13 +5819,13 @@ class _H2HeaderEncoder:
         out = bytearray()
         if self.announce:
             self.announce = False
-            out += _hpack_int(0, 5, 0x20) + _hpack_int(_H2_TABLE_SIZE, 5, 0x20)
+            out += _hpack_encode_int(0, 5, 0x20) + _hpack_encode_int(_H2_TABLE_SIZE, 5, 0x20)
         for field in fields:
             if not self.dynamic:
                 out += b"\x00" + _hpack_string(field[0]) + _hpack_string(field[1])
             elif field in self.entries:
                 index = _H2_STATIC_ENTRIES + 1 + self.entries.index(field)
-                out += _hpack_int(index, 7, 0x80)
+                out += _hpack_encode_int(index, 7, 0x80)
             else:
                 out += b"\x40" + _hpack_string(field[0]) + _hpack_string(field[1])
                 self._insert(field)
