@@ -614,11 +614,18 @@ class _Clock:
 
 
 class _Signer(Protocol):
-    """Who signs a request: the API's fixed key, or the current access token."""
+    """Who signs each attempt of a request with the current access token: the headers
+    and the token, or None until the engine has run ``token_request`` and handed its
+    outcome to ``token_answered`` (the headers then, or the error every waiting
+    request ends with)."""
 
     def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]: ...
 
-    def headers(self) -> Tuple[Dict[str, str], str]: ...
+    def token_request(self) -> "_Exchange": ...
+
+    def token_answered(
+        self, outcome: Optional["Outcome"]
+    ) -> Union[Tuple[Dict[str, str], str], "Error"]: ...
 
     def invalidate(self, token: str) -> None: ...
 
@@ -1839,14 +1846,15 @@ def _connect(origin: _Origin, ssl_context: ssl.SSLContext, timeout: float) -> so
 
 
 class _Link:
-    """One connection as the I/O loop drives it: a non-blocking socket and its protocol."""
+    """One connection as the engine sees it: its protocol state and the driver's carrier
+    (a non-blocking socket, or an asyncio transport), which only the driver touches."""
 
-    __slots__ = ("sock", "route", "events", "idle_since", "last_read")
+    __slots__ = ("carrier", "route", "closed", "idle_since", "last_read")
 
-    def __init__(self, sock: socket.socket, route: "_Route", now: float) -> None:
-        self.sock = sock
+    def __init__(self, carrier: Any, route: "_Route", now: float) -> None:
+        self.carrier = carrier
         self.route = route
-        self.events = 0          # what the selector watches for
+        self.closed = False
         self.idle_since = now
         self.last_read = now
 
@@ -1863,8 +1871,8 @@ class _H1Link(_Link):
 
     __slots__ = ("out", "reader", "exchange", "reused")
 
-    def __init__(self, sock: socket.socket, route: "_Route", now: float) -> None:
-        super().__init__(sock, route, now)
+    def __init__(self, carrier: Any, route: "_Route", now: float) -> None:
+        super().__init__(carrier, route, now)
         self.out = bytearray()
         self.reader = _H1Reader()
         self.exchange: Optional[_Exchange] = None
@@ -1878,12 +1886,12 @@ class _H1Link(_Link):
 
 
 class _H2Link(_Link):
-    """An HTTP/2 connection: the sans-I/O _H2Connection and the socket it talks over."""
+    """An HTTP/2 connection: the sans-I/O _H2Connection and what carries its bytes."""
 
     __slots__ = ("conn", "opened", "pinged")
 
-    def __init__(self, sock: socket.socket, route: "_Route", now: float) -> None:
-        super().__init__(sock, route, now)
+    def __init__(self, carrier: Any, route: "_Route", now: float) -> None:
+        super().__init__(carrier, route, now)
         self.conn = _H2Connection(route.origin.host_header, route.origin.scheme)
         self.opened = now
         self.pinged = False
@@ -1896,14 +1904,13 @@ class _H2Link(_Link):
 
 
 class _Route:
-    """The requests to one origin, and the connections that carry them.
+    """The requests to one origin, and the connections that carry them (the engine's own).
 
-    ``request`` may be called from any thread but the loop's; the rest is the loop's own.
     ``limit`` bounds the connections open at once: the pool size, widened while a
     push_many runs. HTTP/2 connections carry as many streams as each server allows.
     """
 
-    def __init__(self, loop: "_Loop", origin: _Origin, limit: int) -> None:
+    def __init__(self, loop: "_Engine", origin: _Origin, limit: int) -> None:
         self.loop = loop
         self.origin = origin
         self.host = origin.host_header
@@ -1916,14 +1923,8 @@ class _Route:
         self.generation = 0                      # counts resets: a connect from before is stale
         self.waiting: Deque[_Exchange] = collections.deque()
 
-    def request(self, method: str, path: str, headers: Dict[str, str], body: bytes,
-                retry: _Retry) -> Response:
-        """Send one request, retried as ``retry`` allows; its 2xx Response or its error."""
-        exchange = _Exchange(self, method, path, body, retry, headers=headers)
-        outcome = self.loop.run(exchange)
-        if isinstance(outcome, Response):
-            return outcome
-        raise outcome
+    def links(self) -> List[_Link]:
+        return [*self.h2, *self.idle, *self.busy]
 
     def connections(self) -> int:
         return len(self.h2) + len(self.idle) + len(self.busy) + self.connecting
@@ -1939,43 +1940,32 @@ class _Route:
         return repr(self.origin)
 
 
-class _Loop:
-    """The I/O thread of one client in one process, started when there is work.
+class _Engine:
+    """Every request of one client, through the connections that carry them: when each
+    attempt starts (the _Policy says), on which connection, and what its result means.
 
-    It owns every connection of the client (a selector over non-blocking sockets; each
-    new connection is set up on a short-lived thread of its own, several at once, so no
-    handshake stalls the others) and runs every request through the _Policy. Other
-    threads hand it exchanges with ``submit`` or ``run``. It ends when it has nothing
-    left (no request, no open connection); a forked child starts one of its own.
+    It does no I/O and never blocks. A driver (_Loop: a thread around a selector;
+    _AsyncLoop: an asyncio event loop) opens the connections, moves their bytes and
+    keeps the time, calling it from one thread only: ``_received`` and ``_lost`` for what
+    a connection did, ``_connected`` for a connection made, ``_turn`` when time passed.
+    The engine asks the driver back through ``_open``, ``_watch``, ``_send`` and ``_shut``.
     """
 
-    def __init__(self, ssl_context: ssl.SSLContext, connect_timeout: float,
-                 read_timeout: float, keep_alive_timeout: float, proxy: Optional[str],
-                 policy: _Policy) -> None:
-        self._ssl_context = ssl_context
+    def __init__(self, connect_timeout: float, read_timeout: float,
+                 keep_alive_timeout: float, proxy: Optional[str], policy: _Policy) -> None:
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._keep_alive_timeout = keep_alive_timeout
         self._proxy = proxy
         self.policy = policy
-        self._lock = threading.Lock()
-        self._inbox: List[Callable[[], None]] = []
         self._routes: List[_Route] = []
-        self._batches: List[_Batch] = []
-        self._thread: Optional[threading.Thread] = None
-        self._pid = os.getpid()
-        self._closed = False
-        self._selector: selectors.BaseSelector     # these three live while the thread does
-        self._wake_r: socket.socket
-        self._wake_w: socket.socket
+        self._batches: List["_Batch"] = []
         self._timers: List[Tuple[float, int, Callable[[_Exchange], None], _Exchange]] = []
         self._timer_seq = 0
         self._needs_token: List[_Exchange] = []
         self._refreshing: List[_Signer] = []
         self._dirty: List[_Link] = []
         self._due = 0.0  # when _expire next has something to do, as _timeout found
-
-    # Any thread -------------------------------------------------------------------
 
     def route(self, url: str, pool_size: int = 1) -> _Route:
         """The route to ``url``'s origin; https goes through the proxy, if one applies."""
@@ -1987,6 +1977,514 @@ class _Loop:
         route = _Route(self, _Origin(url, proxy), pool_size)
         self._routes.append(route)
         return route
+
+    # What the driver provides -------------------------------------------------------
+
+    def _open(self, route: _Route) -> None:
+        """Start opening one connection to ``route``; the driver calls ``_connected``
+        with it (or with the NetworkError) when it is done."""
+        raise NotImplementedError
+
+    def _watch(self, link: _Link) -> None:
+        """Start handing what a connection just made receives to ``_received``."""
+        raise NotImplementedError
+
+    def _send(self, link: _Link) -> None:
+        """Write what ``link`` has pending, as much as its connection takes now."""
+        raise NotImplementedError
+
+    def _shut(self, link: _Link) -> None:
+        """Close the connection, after what ``link`` has pending if it fits at once."""
+        raise NotImplementedError
+
+    def wake(self) -> None:
+        """Have the driver take a turn soon: a push_many prepared what can start."""
+        raise NotImplementedError
+
+    # What the driver calls -----------------------------------------------------------
+
+    def _turn(self, now: float) -> Optional[float]:
+        """Do what is due: timers, prepared batches, deadlines, then write what waits.
+
+        Returns the seconds the driver may wait before the next turn (None: until a
+        connection or a caller has something; 0.0 with nothing left at all)."""
+        self._fire_timers(now)
+        self._feed_batches()
+        if now >= self._due:
+            self._expire(now)
+        dirty, self._dirty = self._dirty, []
+        for link in dirty:
+            if not link.closed:
+                self._send(link)
+        return self._timeout(now)
+
+    def _is_idle(self) -> bool:
+        return not (self._timers or self._batches or self._needs_token or any(
+            route.connections() or route.waiting for route in self._routes))
+
+    def _connected(self, route: _Route, carrier: Any, h2: bool, generation: int) -> bool:
+        """Take a connection ``_open`` asked for (``carrier``: the driver's own); False if
+        it was asked for before a reset (a crash), and the driver is to close it."""
+        if generation != route.generation:
+            return False
+        route.connecting -= 1
+        now = self.policy.clock.now()
+        link: _Link
+        if h2:
+            log.debug("connected to %r with HTTP/2", route)
+            route.speaks_h2 = True
+            link = _H2Link(carrier, route, now)
+            route.h2.append(link)
+            self._wants_write(link)  # the preface and our SETTINGS
+        else:
+            log.debug("connected to %r", route)
+            route.speaks_h2 = False
+            link = _H1Link(carrier, route, now)
+            route.idle.append(link)
+        self._watch(link)
+        self._place(route)
+        return True
+
+    def _connect_failed(self, route: _Route, error: NetworkError, generation: int) -> None:
+        """A connection did not come up: if no other can carry them, the waiting fail."""
+        if generation != route.generation:
+            return
+        route.connecting -= 1
+        self._no_connection(route, error)
+
+    def _received(self, link: _Link, data: bytes) -> bool:
+        """Handle bytes from the server; False once the link wants no more for now
+        (closed, or an HTTP/1.1 answer complete)."""
+        link.last_read = self.policy.clock.now()
+        if isinstance(link, _H1Link):
+            return self._h1_received(link, data)
+        assert isinstance(link, _H2Link)
+        link.pinged = False
+        try:
+            link.conn.receive(data)
+        except _H2Error as exc:
+            link.conn.abort(exc)
+            self._send(link)
+            self._collect(link)
+            return False
+        self._collect(link)
+        if link.conn.outgoing and not link.closed:
+            self._wants_write(link)  # ACKs and WINDOW_UPDATEs go out this turn
+        return not link.closed
+
+    def _lost(self, link: _Link, reason: str) -> None:
+        """The connection ended under us: every exchange on it gets its result."""
+        if link.closed:
+            return
+        if isinstance(link, _H2Link):
+            link.conn.lost(reason)
+            self._collect(link)
+            return
+        assert isinstance(link, _H1Link)
+        exchange = link.exchange
+        if exchange is None:
+            self._drop(link)
+            return
+        try:
+            response, _ = link.reader.eof()
+        except _ProtocolError as exc:
+            self._drop(link)
+            self._settle(exchange, self._h1_failure(link, reason, exc))
+        else:
+            self._h1_finished(link, response, False)
+        self._place(link.route)
+
+    def _cancel(self, exchange: _Exchange) -> None:
+        """Give up on an exchange whose caller no longer waits: unsent, it is dropped;
+        on a connection, its HTTP/2 stream is reset or its HTTP/1.1 connection closed."""
+        route = exchange.route
+        if exchange in route.waiting:
+            route.waiting.remove(exchange)
+        elif exchange in self._needs_token:
+            self._needs_token.remove(exchange)
+        elif any(entry[3] is exchange for entry in self._timers):
+            self._timers = [entry for entry in self._timers if entry[3] is not exchange]
+            heapq.heapify(self._timers)
+        for h2 in route.h2:
+            stream = next((s for s in h2.conn.streams.values() if s.key is exchange), None)
+            if stream is not None:
+                h2.conn.cancel(stream.id)
+                self._wants_write(h2)
+                return
+        for h1 in route.busy:
+            if h1.exchange is exchange:
+                h1.exchange = None
+                self._drop(h1)
+                self._place(route)
+                return
+
+    # Starting requests ------------------------------------------------------------
+
+    def _add_batch(self, batch: "_Batch") -> None:
+        self._batches.append(batch)
+        batch.route.limit += batch.concurrency
+
+    def _feed_batches(self) -> None:
+        """Start what the push_many batches have prepared, each within its concurrency."""
+        for batch in list(self._batches):
+            ready = batch.ready()
+            while ready:  # again: an exchange may end at once (a token error) and make room
+                for exchange in ready:
+                    self._begin(exchange)
+                ready = batch.ready()
+            if batch.ended():
+                self._batches.remove(batch)
+                batch.route.limit -= batch.concurrency
+
+    def _begin_all(self, exchanges: List[_Exchange]) -> None:
+        for exchange in exchanges:
+            self._begin(exchange)
+
+    def _begin(self, exchange: _Exchange) -> None:
+        """Start ``exchange`` at the moment the policy gives it (now, or a timer)."""
+        clock = self.policy.clock
+        now = clock.now()
+        start = self.policy.start_at(exchange, now)
+        if start is None:
+            exchange.on_done(exchange)
+        elif start > now:
+            self._after(clock.delay(start - now), self._enqueue, exchange)
+        else:
+            self._enqueue(exchange)
+
+    def _after(self, seconds: float, then: Callable[[_Exchange], None],
+               exchange: _Exchange) -> None:
+        self._timer_seq += 1
+        due = self.policy.clock.now() + seconds
+        heapq.heappush(self._timers, (due, self._timer_seq, then, exchange))
+
+    def _fire_timers(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _, _, then, exchange = heapq.heappop(self._timers)
+            then(exchange)
+
+    def _enqueue(self, exchange: _Exchange) -> None:
+        exchange.route.waiting.append(exchange)
+        self._place(exchange.route)
+
+    def _place(self, route: _Route) -> None:
+        """Start waiting exchanges on connections with room; open more when needed."""
+        while route.waiting:
+            link = self._link_for(route)
+            if link is None:
+                self._open_more(route)
+                return
+            exchange = route.waiting.popleft()
+            headers = self._sign(exchange)
+            if headers is not None:
+                self._start(link, exchange, headers)
+
+    def _link_for(self, route: _Route) -> Optional[_Link]:
+        for h2 in route.h2:
+            if h2.conn.free_streams:
+                return h2
+        now = self.policy.clock.now()
+        while route.idle:
+            link = route.idle[-1]
+            if not link.reused or now - link.idle_since < self._keep_alive_timeout:
+                return link
+            self._drop(link)  # idle too long: replaced rather than reused
+        return None
+
+    def _open_more(self, route: _Route) -> None:
+        """Open as many connections as the waiting exchanges need, within the limit."""
+        if route.speaks_h2:
+            per = max([link.conn.max_streams for link in route.h2
+                       if link.conn.state == "OPEN"] + [1])
+            per = min(per, _H2_STREAMS_EXPECTED) if per > 1 else _H2_STREAMS_EXPECTED
+            coming = route.connecting + sum(
+                link.conn.state == "WAITING_FOR_SETTINGS" for link in route.h2)
+            wanted = -(-len(route.waiting) // per) - coming
+        elif route.speaks_h2 is False:
+            wanted = len(route.waiting) - route.connecting
+        else:  # the first connections: as many as HTTP/2 would need, all at once
+            wanted = -(-len(route.waiting) // _H2_STREAMS_EXPECTED) - route.connecting
+        for _ in range(min(wanted, route.limit - route.connections())):
+            route.connecting += 1
+            self._open(route)
+
+    def _no_connection(self, route: _Route, error: NetworkError) -> None:
+        if route.connections():
+            self._place(route)
+            return
+        waiting, route.waiting = route.waiting, collections.deque()
+        for exchange in waiting:
+            self._settle(exchange, error)
+
+    def _sign(self, exchange: _Exchange) -> Optional[Dict[str, str]]:
+        """The headers of this attempt; None if the exchange waits for a token or ended."""
+        signer = exchange.signer
+        if signer is None:
+            return exchange.headers
+        try:
+            signed = exchange.signed or signer.headers_now()
+        except Error as exc:
+            self._settle(exchange, exc)
+            return None
+        exchange.signed = None
+        if signed is None:
+            self._needs_token.append(exchange)
+            if signer not in self._refreshing:
+                self._refreshing.append(signer)
+                self._fetch_token(signer)
+            return None
+        headers, exchange.token = signed
+        return headers
+
+    def _fetch_token(self, signer: _Signer) -> None:
+        """Ask for a new access token, as one more exchange through this engine."""
+        request = signer.token_request()
+        request.on_done = lambda done: self._refreshed(signer, signer.token_answered(done.outcome))
+        self._begin(request)
+
+    def _refreshed(self, signer: _Signer,
+                   result: Union[Tuple[Dict[str, str], str], Error]) -> None:
+        """Start, with the token just fetched, every exchange that waited for it."""
+        self._refreshing = [s for s in self._refreshing if s is not signer]
+        ready = [e for e in self._needs_token if e.signer is signer]
+        self._needs_token = [e for e in self._needs_token if e.signer is not signer]
+        for exchange in ready:
+            if isinstance(result, Error):
+                self._settle(exchange, result)
+            else:
+                exchange.signed = result
+                self._enqueue(exchange)
+
+    def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str]) -> None:
+        exchange.deadline = self.policy.clock.now() + (exchange.timeout or self._read_timeout)
+        if isinstance(link, _H2Link):
+            link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
+                            exchange.deadline)
+        else:
+            assert isinstance(link, _H1Link)
+            link.route.idle.remove(link)
+            link.route.busy.append(link)
+            link.exchange = exchange
+            link.reader = _H1Reader()
+            link.out += _encode_request(link.route.host, exchange.method, exchange.path,
+                                        headers, exchange.body)
+        self._wants_write(link)
+
+    def _wants_write(self, link: _Link) -> None:
+        if link not in self._dirty:
+            self._dirty.append(link)
+
+    # Answers ----------------------------------------------------------------------
+
+    def _h1_received(self, link: _H1Link, data: bytes) -> bool:
+        """Feed an HTTP/1.1 answer; False once the link is closed or back in the pool."""
+        exchange = link.exchange
+        if exchange is None:
+            self._drop(link)  # bytes on an idle connection: nothing can follow them
+            return False
+        try:
+            done = link.reader.feed(data)
+        except _ProtocolError as exc:
+            self._drop(link)
+            self._settle(exchange, NetworkError(
+                "the exchange with %r failed: %s" % (link.route, exc),
+                may_have_been_delivered=True))
+            return False
+        if done is None:
+            return True
+        response, keep = done
+        self._h1_finished(link, response, keep)
+        return False
+
+    def _h1_finished(self, link: _H1Link, result: Union[Response, Exception], keep: bool) -> None:
+        exchange = link.exchange
+        assert exchange is not None
+        link.exchange = None
+        if keep:
+            link.route.busy.remove(link)
+            link.route.idle.append(link)
+            link.reused = True
+            link.idle_since = self.policy.clock.now()
+        else:
+            self._drop(link)
+        self._settle(exchange, result)
+        self._place(link.route)
+
+    def _h1_failure(self, link: _H1Link, reason: str, exc: _ProtocolError) -> Exception:
+        """What an HTTP/1.1 connection that ended mid-exchange means for its request."""
+        if link.out:
+            return _NotProcessed("could not send the request to %r: %s" % (link.route, reason))
+        if link.reader.started:
+            return NetworkError("the exchange with %r failed: %s" % (link.route, exc),
+                                may_have_been_delivered=True)
+        if link.reused:  # a kept-alive connection the server had closed: not processed
+            return _NotProcessed("the reused connection to %r was closed" % (link.route,))
+        return NetworkError("the connection to %r closed before an answer (%s)"
+                            % (link.route, reason), may_have_been_delivered=True)
+
+    def _collect(self, link: _H2Link) -> None:
+        """Settle the streams that ended; close the connection once it is done."""
+        conn = link.conn
+        finished, conn.finished = conn.finished, []
+        for key, result in reversed(finished):  # resends go to the front in their order
+            assert isinstance(key, _Exchange)
+            self._settle(key, result)
+        if conn.state == "CLOSED" or (conn.state == "GOING_AWAY" and not conn.streams):
+            self._drop(link)
+        elif not conn.streams:
+            link.idle_since = self.policy.clock.now()
+        self._place(link.route)
+
+    def _drop(self, link: _Link) -> None:
+        """Close a connection and forget it; streams it still held get their results."""
+        if link.closed:
+            return
+        if isinstance(link, _H2Link) and link.conn.state != "CLOSED":
+            link.conn.close()  # our GOAWAY goes out if it fits
+        link.closed = True
+        self._shut(link)
+        route = link.route
+        if isinstance(link, _H1Link):
+            (route.busy if link in route.busy else route.idle).remove(link)
+        else:
+            assert isinstance(link, _H2Link)
+            route.h2.remove(link)
+            finished, link.conn.finished = link.conn.finished, []
+            for key, result in reversed(finished):
+                assert isinstance(key, _Exchange)
+                self._settle(key, result)
+
+    # Outcomes ---------------------------------------------------------------------
+
+    def _settle(self, exchange: _Exchange, result: Union[Response, Exception]) -> None:
+        """Hand an attempt's result to the policy, and do what it says."""
+        wait = self.policy.decide(exchange, result)
+        if wait is None:
+            exchange.on_done(exchange)
+        elif isinstance(result, _NotProcessed):
+            exchange.route.waiting.appendleft(exchange)  # its turn again, before the rest
+        else:
+            self._after(self.policy.clock.delay(wait), self._begin, exchange)
+
+    # Deadlines ----------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        """End what waited too long: answers, SETTINGS, idle connections; PING the quiet."""
+        for route in self._routes:
+            for h2 in list(route.h2):
+                conn = h2.conn
+                if conn.state == "WAITING_FOR_SETTINGS":
+                    if now - h2.opened > self._connect_timeout:
+                        self._drop(h2)
+                        self._no_connection(route, NetworkError(
+                            "%r sent no HTTP/2 SETTINGS within %.3g s"
+                            % (route, self._connect_timeout), may_have_been_delivered=False))
+                    continue
+                conn.expire(now)
+                if conn.finished:
+                    self._collect(h2)
+                if not conn.streams and now - h2.idle_since > self._keep_alive_timeout:
+                    self._drop(h2)
+                elif conn.streams and not h2.pinged and now - h2.last_read > _H2_PING_QUIET:
+                    conn.ping()
+                    h2.pinged = True
+                    self._wants_write(h2)
+            for h1 in list(route.busy):
+                exchange = h1.exchange
+                if exchange is not None and exchange.deadline <= now:
+                    self._drop(h1)
+                    h1.exchange = None
+                    self._settle(exchange, NetworkError(
+                        "no answer from %r within the read timeout" % (route,),
+                        may_have_been_delivered=True))
+            for h1 in list(route.idle):
+                if now - h1.idle_since > self._keep_alive_timeout:
+                    self._drop(h1)
+            if route.waiting:
+                self._place(route)
+
+    def _timeout(self, now: float) -> Optional[float]:
+        """How long the driver may wait: until the next timer or deadline (see _turn)."""
+        due = [self._timers[0][0]] if self._timers else []
+        for route in self._routes:
+            for h2 in route.h2:
+                if h2.conn.state == "WAITING_FOR_SETTINGS":
+                    due.append(h2.opened + self._connect_timeout)
+                elif h2.conn.streams:
+                    due.append(h2.conn.next_deadline())
+                    if not h2.pinged:
+                        due.append(h2.last_read + _H2_PING_QUIET)
+                else:
+                    due.append(h2.idle_since + self._keep_alive_timeout)
+            due.extend(h1.exchange.deadline for h1 in route.busy if h1.exchange)
+            due.extend(h1.idle_since + self._keep_alive_timeout for h1 in route.idle)
+        self._due = min(due) if due else math.inf
+        if not due:
+            return 0.0 if self._is_idle() else None
+        return max(0.0, self._due - now + 0.001)
+
+    # Ending -------------------------------------------------------------------------
+
+    def _abandon(self, reason: str) -> None:
+        """End everything: each exchange still held gets a NetworkError saying whether it
+        may have been delivered; every connection is closed."""
+        held: List[Tuple[_Exchange, bool]] = []
+        for route in self._routes:
+            held.extend((e, False) for e in route.waiting)
+            for h2 in route.h2:
+                held.extend((s.key, True) for s in h2.conn.streams.values()
+                            if isinstance(s.key, _Exchange))
+            held.extend((h1.exchange, True) for h1 in route.busy if h1.exchange)
+        held.extend((entry[3], False) for entry in self._timers)
+        held.extend((e, False) for e in self._needs_token)
+        for batch in self._batches:
+            batch.abandon(reason)
+        self._close_all()
+        for exchange, sent in held:
+            exchange.outcome = NetworkError(reason, may_have_been_delivered=sent)
+            with contextlib.suppress(Exception):
+                exchange.on_done(exchange)
+
+    def _close_all(self) -> None:
+        """Close every connection at once, and forget every request (their outcomes are
+        the caller's to give)."""
+        for route in self._routes:
+            for link in route.links():
+                if isinstance(link, _H2Link) and link.conn.state != "CLOSED":
+                    link.conn.close()
+                link.closed = True
+                with contextlib.suppress(OSError):
+                    self._shut(link)
+            route.reset()
+        self._timers, self._needs_token, self._refreshing = [], [], []
+        self._batches, self._dirty = [], []
+
+
+class _Loop(_Engine):
+    """The engine's thread driver: one I/O thread per client and process, started when
+    there is work, ending when nothing is left (no request, no open connection).
+
+    It waits on a selector over non-blocking sockets; each new connection is set up on a
+    short-lived thread of its own, several at once, so no handshake stalls the others.
+    Other threads hand it exchanges with ``submit`` or ``run``; a forked child starts a
+    thread of its own.
+    """
+
+    def __init__(self, ssl_context: ssl.SSLContext, connect_timeout: float,
+                 read_timeout: float, keep_alive_timeout: float, proxy: Optional[str],
+                 policy: _Policy) -> None:
+        super().__init__(connect_timeout, read_timeout, keep_alive_timeout, proxy, policy)
+        self._ssl_context = ssl_context
+        self._lock = threading.Lock()
+        self._inbox: List[Callable[[], None]] = []
+        self._thread: Optional[threading.Thread] = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._selector: selectors.BaseSelector     # these three live while the thread does
+        self._wake_r: socket.socket
+        self._wake_w: socket.socket
+
+    # Any thread -------------------------------------------------------------------
 
     def submit(self, exchanges: List[_Exchange]) -> None:
         """Start ``exchanges``; each one's ``on_done`` is called when it has its outcome."""
@@ -2093,7 +2591,7 @@ class _Loop:
             wake_w.close()
 
     def _step(self) -> bool:
-        """One turn: take new work, fire timers, start what can start, write, wait, read.
+        """One turn: take new work, do what is due, wait for the sockets, read and write.
         False when the loop is done (closed, or nothing left to do)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
@@ -2106,15 +2604,8 @@ class _Loop:
         if closed:
             self._abandon("the client was closed")
             return False
-        now = self.policy.clock.now()
-        self._fire_timers(now)
-        self._feed_batches()
-        if now >= self._due:
-            self._expire(now)
-        for link in self._dirty:
-            self._write(link)
-        self._dirty = []
-        for key, events in self._selector.select(self._timeout(now)):
+        timeout = self._turn(self.policy.clock.now())
+        for key, events in self._selector.select(timeout):
             if key.data is None:
                 with contextlib.suppress(OSError):
                     self._wake_r.recv(4096)
@@ -2126,468 +2617,80 @@ class _Loop:
                 self._read(link)
         return True
 
-    def _is_idle(self) -> bool:
-        return not (self._timers or self._batches or self._needs_token or any(
-            route.connections() or route.waiting for route in self._routes))
-
-    # Starting requests ------------------------------------------------------------
-
-    def _add_batch(self, batch: "_Batch") -> None:
-        self._batches.append(batch)
-        batch.route.limit += batch.concurrency
-
-    def _feed_batches(self) -> None:
-        """Start what the push_many batches have prepared, each within its concurrency."""
-        for batch in list(self._batches):
-            ready = batch.ready()
-            while ready:  # again: an exchange may end at once (a token error) and make room
-                for exchange in ready:
-                    self._begin(exchange)
-                ready = batch.ready()
-            if batch.ended():
-                self._batches.remove(batch)
-                batch.route.limit -= batch.concurrency
-
-    def _begin_all(self, exchanges: List[_Exchange]) -> None:
-        for exchange in exchanges:
-            self._begin(exchange)
-
-    def _begin(self, exchange: _Exchange) -> None:
-        """Start ``exchange`` at the moment the policy gives it (now, or a timer)."""
-        clock = self.policy.clock
-        now = clock.now()
-        start = self.policy.start_at(exchange, now)
-        if start is None:
-            exchange.on_done(exchange)
-        elif start > now:
-            self._after(clock.delay(start - now), self._enqueue, exchange)
-        else:
-            self._enqueue(exchange)
-
-    def _after(self, seconds: float, then: Callable[[_Exchange], None],
-               exchange: _Exchange) -> None:
-        self._timer_seq += 1
-        due = self.policy.clock.now() + seconds
-        heapq.heappush(self._timers, (due, self._timer_seq, then, exchange))
-
-    def _fire_timers(self, now: float) -> None:
-        while self._timers and self._timers[0][0] <= now:
-            _, _, then, exchange = heapq.heappop(self._timers)
-            then(exchange)
-
-    def _enqueue(self, exchange: _Exchange) -> None:
-        exchange.route.waiting.append(exchange)
-        self._place(exchange.route)
-
-    def _place(self, route: _Route) -> None:
-        """Start waiting exchanges on connections with room; open more when needed."""
-        while route.waiting:
-            link = self._link_for(route)
-            if link is None:
-                self._open_more(route)
-                return
-            exchange = route.waiting.popleft()
-            headers = self._sign(exchange)
-            if headers is not None:
-                self._start(link, exchange, headers)
-
-    def _link_for(self, route: _Route) -> Optional[_Link]:
-        for h2 in route.h2:
-            if h2.conn.free_streams:
-                return h2
-        now = self.policy.clock.now()
-        while route.idle:
-            link = route.idle[-1]
-            if not link.reused or now - link.idle_since < self._keep_alive_timeout:
-                return link
-            self._drop(link)  # idle too long: replaced rather than reused
-        return None
-
-    def _open_more(self, route: _Route) -> None:
-        """Open as many connections as the waiting exchanges need, within the limit."""
-        if route.speaks_h2:
-            per = max([link.conn.max_streams for link in route.h2
-                       if link.conn.state == "OPEN"] + [1])
-            per = min(per, _H2_STREAMS_EXPECTED) if per > 1 else _H2_STREAMS_EXPECTED
-            coming = route.connecting + sum(
-                link.conn.state == "WAITING_FOR_SETTINGS" for link in route.h2)
-            wanted = -(-len(route.waiting) // per) - coming
-        elif route.speaks_h2 is False:
-            wanted = len(route.waiting) - route.connecting
-        else:  # the first connections: as many as HTTP/2 would need, all at once
-            wanted = -(-len(route.waiting) // _H2_STREAMS_EXPECTED) - route.connecting
-        for _ in range(min(wanted, route.limit - route.connections())):
-            route.connecting += 1
-            threading.Thread(target=self._connect, args=(route,), name="andpush-connect",
-                             daemon=True).start()
+    def _open(self, route: _Route) -> None:
+        threading.Thread(target=self._connect, args=(route,), name="andpush-connect",
+                         daemon=True).start()
 
     def _connect(self, route: _Route) -> None:
         """On a thread of its own: connect, then hand the socket (or the error) to the loop."""
         generation = route.generation
         try:
-            result: Union[socket.socket, NetworkError] = _connect(
-                route.origin, self._ssl_context, self._connect_timeout)
+            sock = _connect(route.origin, self._ssl_context, self._connect_timeout)
         except NetworkError as exc:
-            result = exc
+            error = exc
+            with contextlib.suppress(ValueError):  # the client was closed meanwhile
+                self._post(lambda: self._connect_failed(route, error, generation))
+            return
+        h2 = isinstance(sock, ssl.SSLSocket) and sock.selected_alpn_protocol() == "h2"
+
+        def take() -> None:
+            if not self._connected(route, sock, h2, generation):
+                sock.close()
         try:
-            self._post(lambda: self._connected(route, result, generation))
+            self._post(take)
         except ValueError:  # the client was closed meanwhile
-            if isinstance(result, socket.socket):
-                result.close()
+            sock.close()
 
-    def _connected(self, route: _Route, result: Union[socket.socket, NetworkError],
-                   generation: int) -> None:
-        if generation != route.generation:  # asked for before a crash: nobody counts on it
-            if isinstance(result, socket.socket):
-                result.close()
-            return
-        route.connecting -= 1
-        if isinstance(result, NetworkError):
-            self._connect_failed(route, result)
-            return
-        now = self.policy.clock.now()
-        result.setblocking(False)
-        link: _Link
-        if isinstance(result, ssl.SSLSocket) and result.selected_alpn_protocol() == "h2":
-            log.debug("connected to %r with HTTP/2", route)
-            route.speaks_h2 = True
-            link = _H2Link(result, route, now)
-            route.h2.append(link)
-            self._dirty.append(link)  # the preface and our SETTINGS
-        else:
-            log.debug("connected to %r", route)
-            route.speaks_h2 = False
-            link = _H1Link(result, route, now)
-            route.idle.append(link)
-        link.events = selectors.EVENT_READ
-        self._selector.register(result, link.events, link)
-        self._place(route)
+    def _watch(self, link: _Link) -> None:
+        link.carrier.setblocking(False)
+        self._selector.register(link.carrier, selectors.EVENT_READ, link)
 
-    def _connect_failed(self, route: _Route, error: NetworkError) -> None:
-        """A connection did not come up: if no other can carry them, the waiting fail."""
-        if route.connections():
-            self._place(route)
-            return
-        waiting, route.waiting = route.waiting, collections.deque()
-        for exchange in waiting:
-            self._settle(exchange, error)
+    def _send(self, link: _Link) -> None:
+        self._write(link)
 
-    def _sign(self, exchange: _Exchange) -> Optional[Dict[str, str]]:
-        """The headers of this attempt; None if the exchange waits for a token or ended."""
-        signer = exchange.signer
-        if signer is None:
-            return exchange.headers
-        try:
-            signed = exchange.signed or signer.headers_now()
-        except Error as exc:
-            self._settle(exchange, exc)
-            return None
-        exchange.signed = None
-        if signed is None:
-            self._needs_token.append(exchange)
-            if signer not in self._refreshing:
-                self._refreshing.append(signer)
-                threading.Thread(target=self._refresh, args=(signer,), name="andpush-token",
-                                 daemon=True).start()
-            return None
-        headers, exchange.token = signed
-        return headers
-
-    def _refresh(self, signer: _Signer) -> None:
-        """On a thread of its own: fetch a token, then let the loop start who waited for it."""
-        try:
-            result: Union[Tuple[Dict[str, str], str], Error] = signer.headers()
-        except Error as exc:
-            result = exc
-        except ValueError:  # the client was closed meanwhile: its exchanges have ended
-            return
-        with contextlib.suppress(ValueError):
-            self._post(lambda: self._refreshed(signer, result))
-
-    def _refreshed(self, signer: _Signer,
-                   result: Union[Tuple[Dict[str, str], str], Error]) -> None:
-        """Start, with the token just fetched, every exchange that waited for it."""
-        self._refreshing.remove(signer)
-        ready = [e for e in self._needs_token if e.signer is signer]
-        self._needs_token = [e for e in self._needs_token if e.signer is not signer]
-        for exchange in ready:
-            if isinstance(result, Error):
-                self._settle(exchange, result)
-            else:
-                exchange.signed = result
-                self._enqueue(exchange)
-
-    def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str]) -> None:
-        exchange.deadline = self.policy.clock.now() + (exchange.timeout or self._read_timeout)
-        if isinstance(link, _H2Link):
-            link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
-                            exchange.deadline)
-        else:
-            assert isinstance(link, _H1Link)
-            link.route.idle.remove(link)
-            link.route.busy.append(link)
-            link.exchange = exchange
-            link.reader = _H1Reader()
-            link.out += _encode_request(link.route.host, exchange.method, exchange.path,
-                                        headers, exchange.body)
-        if link not in self._dirty:
-            self._dirty.append(link)
-
-    # Bytes ------------------------------------------------------------------------
+    def _shut(self, link: _Link) -> None:
+        sock = link.carrier
+        with contextlib.suppress(OSError, *_WOULD_BLOCK):
+            sock.send(link.pending()[:_WRITE_SIZE])
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(sock)
+        sock.close()
 
     def _write(self, link: _Link) -> None:
         """Write what the socket takes now; watch for writability while bytes remain."""
-        if not link.events:
-            return  # closed earlier in this turn
+        if link.closed:
+            return
         out = link.pending()
+        sock = link.carrier
         try:
             while out:
-                link.wrote(link.sock.send(out[:_WRITE_SIZE]))
+                link.wrote(sock.send(out[:_WRITE_SIZE]))
         except _WOULD_BLOCK:
             pass
         except OSError as exc:
             self._lost(link, "the connection broke: %s" % _reason(exc))
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if out else 0)
-        if events != link.events and link.events:
-            link.events = events
-            self._selector.modify(link.sock, events, link)
+        if events != self._selector.get_key(sock).events:
+            self._selector.modify(sock, events, link)
 
     def _read(self, link: _Link) -> None:
         """Read and handle all the socket has (a TLS record may hold several frames)."""
-        if not link.events:
-            return  # closed earlier in this turn
+        sock = link.carrier
         try:
-            while True:
+            while not link.closed:
                 try:
-                    data = link.sock.recv(_RECV_SIZE)
+                    data = sock.recv(_RECV_SIZE)
                 except _WOULD_BLOCK:
-                    break
+                    return
                 if not data:
                     self._lost(link, "the server closed the connection")
                     return
-                link.last_read = self.policy.clock.now()
-                if isinstance(link, _H2Link):
-                    link.pinged = False
-                    link.conn.receive(data)
-                elif isinstance(link, _H1Link) and not self._h1_received(link, data):
+                if not self._received(link, data):
                     return
-        except _H2Error as exc:
-            assert isinstance(link, _H2Link)
-            link.conn.abort(exc)
-            self._write(link)
-            self._collect(link)
-            return
         except OSError as exc:
             self._lost(link, "the connection broke: %s" % _reason(exc))
-            return
-        if isinstance(link, _H2Link):
-            self._collect(link)
-            if link.conn.outgoing and link not in self._dirty:
-                self._dirty.append(link)  # ACKs and WINDOW_UPDATEs go out this turn
 
-    def _h1_received(self, link: _H1Link, data: bytes) -> bool:
-        """Feed an HTTP/1.1 answer; False once the link is closed or back in the pool."""
-        exchange = link.exchange
-        if exchange is None:
-            self._drop(link)  # bytes on an idle connection: nothing can follow them
-            return False
-        try:
-            done = link.reader.feed(data)
-        except _ProtocolError as exc:
-            self._drop(link)
-            self._settle(exchange, NetworkError(
-                "the exchange with %r failed: %s" % (link.route, exc),
-                may_have_been_delivered=True))
-            return False
-        if done is None:
-            return True
-        response, keep = done
-        self._h1_finished(link, response, keep)
-        return False
-
-    def _h1_finished(self, link: _H1Link, result: Union[Response, Exception], keep: bool) -> None:
-        exchange = link.exchange
-        assert exchange is not None
-        link.exchange = None
-        if keep:
-            link.route.busy.remove(link)
-            link.route.idle.append(link)
-            link.reused = True
-            link.idle_since = self.policy.clock.now()
-        else:
-            self._drop(link)
-        self._settle(exchange, result)
-        self._place(link.route)
-
-    def _lost(self, link: _Link, reason: str) -> None:
-        """The connection ended under us: every exchange on it gets its result."""
-        if not link.events:
-            return
-        if isinstance(link, _H2Link):
-            link.conn.lost(reason)
-            self._collect(link)
-            return
-        assert isinstance(link, _H1Link)
-        exchange = link.exchange
-        if exchange is None:
-            self._drop(link)
-            return
-        try:
-            response, _ = link.reader.eof()
-        except _ProtocolError as exc:
-            self._drop(link)
-            self._settle(exchange, self._h1_failure(link, reason, exc))
-        else:
-            self._h1_finished(link, response, False)
-        self._place(link.route)
-
-    def _h1_failure(self, link: _H1Link, reason: str, exc: _ProtocolError) -> Exception:
-        """What an HTTP/1.1 connection that ended mid-exchange means for its request."""
-        if link.out:
-            return _NotProcessed("could not send the request to %r: %s" % (link.route, reason))
-        if link.reader.started:
-            return NetworkError("the exchange with %r failed: %s" % (link.route, exc),
-                                may_have_been_delivered=True)
-        if link.reused:  # a kept-alive connection the server had closed: not processed
-            return _NotProcessed("the reused connection to %r was closed" % (link.route,))
-        return NetworkError("the connection to %r closed before an answer (%s)"
-                            % (link.route, reason), may_have_been_delivered=True)
-
-    def _collect(self, link: _H2Link) -> None:
-        """Settle the streams that ended; close the connection once it is done."""
-        conn = link.conn
-        finished, conn.finished = conn.finished, []
-        for key, result in reversed(finished):  # resends go to the front in their order
-            assert isinstance(key, _Exchange)
-            self._settle(key, result)
-        if conn.state == "CLOSED" or (conn.state == "GOING_AWAY" and not conn.streams):
-            self._drop(link)
-        elif not conn.streams:
-            link.idle_since = self.policy.clock.now()
-        self._place(link.route)
-
-    def _drop(self, link: _Link) -> None:
-        """Close a connection and forget it; streams it still held get their results."""
-        if not link.events:
-            return
-        if isinstance(link, _H2Link) and link.conn.state != "CLOSED":
-            link.conn.close()
-            with contextlib.suppress(OSError, *_WOULD_BLOCK):
-                link.sock.send(link.conn.outgoing[:_WRITE_SIZE])  # our GOAWAY, if it fits
-        self._selector.unregister(link.sock)
-        link.events = 0
-        link.sock.close()
-        route = link.route
-        if isinstance(link, _H1Link):
-            (route.busy if link in route.busy else route.idle).remove(link)
-        else:
-            assert isinstance(link, _H2Link)
-            route.h2.remove(link)
-            finished, link.conn.finished = link.conn.finished, []
-            for key, result in reversed(finished):
-                assert isinstance(key, _Exchange)
-                self._settle(key, result)
-
-    # Outcomes ---------------------------------------------------------------------
-
-    def _settle(self, exchange: _Exchange, result: Union[Response, Exception]) -> None:
-        """Hand an attempt's result to the policy, and do what it says."""
-        wait = self.policy.decide(exchange, result)
-        if wait is None:
-            exchange.on_done(exchange)
-        elif isinstance(result, _NotProcessed):
-            exchange.route.waiting.appendleft(exchange)  # its turn again, before the rest
-        else:
-            self._after(self.policy.clock.delay(wait), self._begin, exchange)
-
-    # Deadlines ----------------------------------------------------------------------
-
-    def _expire(self, now: float) -> None:
-        """End what waited too long: answers, SETTINGS, idle connections; PING the quiet."""
-        for route in self._routes:
-            for h2 in list(route.h2):
-                conn = h2.conn
-                if conn.state == "WAITING_FOR_SETTINGS":
-                    if now - h2.opened > self._connect_timeout:
-                        self._drop(h2)
-                        self._connect_failed(route, NetworkError(
-                            "%r sent no HTTP/2 SETTINGS within %.3g s"
-                            % (route, self._connect_timeout), may_have_been_delivered=False))
-                    continue
-                conn.expire(now)
-                if conn.finished:
-                    self._collect(h2)
-                if not conn.streams and now - h2.idle_since > self._keep_alive_timeout:
-                    self._drop(h2)
-                elif conn.streams and not h2.pinged and now - h2.last_read > _H2_PING_QUIET:
-                    conn.ping()
-                    h2.pinged = True
-                    self._dirty.append(h2)
-            for h1 in list(route.busy):
-                exchange = h1.exchange
-                if exchange is not None and exchange.deadline <= now:
-                    self._drop(h1)
-                    h1.exchange = None
-                    self._settle(exchange, NetworkError(
-                        "no answer from %r within the read timeout" % (route,),
-                        may_have_been_delivered=True))
-            for h1 in list(route.idle):
-                if now - h1.idle_since > self._keep_alive_timeout:
-                    self._drop(h1)
-            if route.waiting:
-                self._place(route)
-
-    def _timeout(self, now: float) -> Optional[float]:
-        """How long select may wait: until the next timer or deadline (None: no deadline)."""
-        due = [self._timers[0][0]] if self._timers else []
-        for route in self._routes:
-            for h2 in route.h2:
-                if h2.conn.state == "WAITING_FOR_SETTINGS":
-                    due.append(h2.opened + self._connect_timeout)
-                elif h2.conn.streams:
-                    due.append(h2.conn.next_deadline())
-                    if not h2.pinged:
-                        due.append(h2.last_read + _H2_PING_QUIET)
-                else:
-                    due.append(h2.idle_since + self._keep_alive_timeout)
-            due.extend(h1.exchange.deadline for h1 in route.busy if h1.exchange)
-            due.extend(h1.idle_since + self._keep_alive_timeout for h1 in route.idle)
-        self._due = min(due) if due else math.inf
-        if not due:
-            return 0.0 if self._is_idle() else None  # idle: the next turn ends the thread
-        return max(0.0, self._due - now + 0.001)
-
-    # Ending -------------------------------------------------------------------------
-
-    def _abandon(self, reason: str) -> None:
-        """End everything: each exchange still held gets a NetworkError saying whether it
-        may have been delivered; every connection is closed."""
-        held: List[Tuple[_Exchange, bool]] = []
-        for route in self._routes:
-            held.extend((e, False) for e in route.waiting)
-            for h2 in route.h2:
-                held.extend((s.key, True) for s in h2.conn.streams.values()
-                            if isinstance(s.key, _Exchange))
-            held.extend((h1.exchange, True) for h1 in route.busy if h1.exchange)
-        held.extend((entry[3], False) for entry in self._timers)
-        held.extend((e, False) for e in self._needs_token)
-        for batch in self._batches:
-            batch.abandon(reason)
-        self._close_all()
-        for exchange, sent in held:
-            exchange.outcome = NetworkError(reason, may_have_been_delivered=sent)
-            with contextlib.suppress(Exception):
-                exchange.on_done(exchange)
-
-    def _close_all(self) -> None:
-        for key in list(self._selector.get_map().values()):
-            if key.data is not None:
-                self._selector.unregister(key.fileobj)
-                key.fileobj.close()  # type: ignore[union-attr]
-        for route in self._routes:
-            route.reset()
-        self._timers, self._needs_token, self._batches, self._dirty = [], [], [], []
 
 # Outcomes push_many may hold per message in flight, sent or waiting to be consumed: room
 # for the rest to go on while one waits out a retry's backoff, yet bounded.
@@ -2595,13 +2698,13 @@ _WINDOW_PER_WORKER = 64
 
 
 class _Batch:
-    """One push_many: its input, the exchanges made of it, and their outcomes in order.
+    """One push_many: the exchanges made of its input, and their outcomes in order.
 
-    A feeder thread reads the input (which may block: a generator over a database cursor)
-    and prepares exchanges, at most ``window`` ahead of the consumer, so memory stays
-    bounded however many items there are. The I/O loop takes them, ``concurrency`` in
-    flight at most, and hands back their outcomes; each is kept with its item until the
-    consumer takes the pair.
+    A feeder reads the input and prepares exchanges, at most ``window`` ahead of the
+    consumer, so memory stays bounded however many items there are. The engine takes
+    them, ``concurrency`` in flight at most, and hands back their outcomes; each is kept
+    with its item until the consumer takes the pair. The waiting (for room, for the next
+    pair) is the subclass's: threads (_ThreadBatch) or asyncio (_AsyncBatch).
 
     Reading ends with the input, or early: ``stop`` ends it and no more (every item
     already read is still sent, and its pair still comes); ``discard`` also drops the
@@ -2610,48 +2713,213 @@ class _Batch:
 
     def __init__(
         self,
-        items: Iterable[Any],
         make: Callable[[Any], _Exchange],
         route: _Route,
         concurrency: int,
         progress: Optional[Callable[[int, int], None]],
     ) -> None:
-        self._items = iter(items)
         self._make = make
         self.route = route
         self.concurrency = concurrency
         self._window = concurrency * _WINDOW_PER_WORKER
         self._progress = progress
-        lock = threading.Lock()
-        self._condition = threading.Condition(lock)  # the consumer waits on it for its pair
-        self._room = threading.Condition(lock)       # the feeder waits on it for room
+        self._lock = threading.Lock()
         self._prepared: Deque[_Exchange] = collections.deque()
         self._items_out: Dict[int, Any] = {}  # the item of each exchange not yet ended
         self._outcomes: Dict[int, Tuple[Any, Outcome]] = {}
         self._read = 0          # items taken from the input
         self._yielded = 0       # pairs handed to the consumer
-        self._in_flight = 0     # exchanges the loop has started and not ended
+        self._in_flight = 0     # exchanges the engine has started and not ended
         self._done = 0
         self._failed = 0
         self._reading = True    # the feeder may take more items
         self._discarded = False
-        self._loop_waits = False  # the loop found nothing prepared and wants a wake
+        self._engine_waits = False  # the engine found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None  # raised after the last pair
 
-    def _wake_all(self) -> None:
-        """Both waiters: the state changed for everyone (the lock is held)."""
-        self._condition.notify_all()
-        self._room.notify_all()
+    # What the subclass provides (each called with the lock held) -----------------------
 
-    # The feeder thread ------------------------------------------------------------
+    def _pair_ready(self) -> None:
+        """Wake the consumer: the pair it waits for (or the end) may be there."""
+        raise NotImplementedError
+
+    def _room_made(self) -> None:
+        """Wake the feeder: it may read more."""
+        raise NotImplementedError
+
+    # The feeder -----------------------------------------------------------------------
+
+    def _must_wait(self) -> bool:
+        """Whether the feeder waits for room before reading another item (lock held)."""
+        return self._reading and (len(self._prepared) >= self.concurrency
+                                  or self._read - self._yielded >= self._window)
+
+    def _prepare(self, item: Any) -> None:
+        try:
+            exchange: Optional[_Exchange] = self._make(item)
+        except Exception as exc:  # a bad message (TypeError, ValueError), or worse: its outcome
+            exchange, bad = None, exc
+        with self._lock:
+            if not self._reading:  # stopped while the input was being read: not sent
+                return
+            index = self._read
+            self._read += 1
+            if exchange is None:
+                self._store(index, item, bad)
+            else:
+                exchange.index = index
+                exchange.on_done = self._finished
+                self._items_out[index] = item
+                self._prepared.append(exchange)
+            wake, self._engine_waits = self._engine_waits, False
+        if wake:
+            self.route.loop.wake()
+
+    def _end_of_input(self, error: Optional[BaseException]) -> None:
+        with self._lock:
+            if self._reading:
+                self._reading, self._error = False, error
+                self._pair_ready()
+                self._room_made()
+        self.route.loop.wake()
+
+    # The engine -----------------------------------------------------------------------
+
+    def ready(self) -> List[_Exchange]:
+        """The prepared exchanges that may start now, within ``concurrency``."""
+        with self._lock:
+            if self._discarded:  # taken from the input, never sent: nobody waits for them
+                for exchange in self._prepared:
+                    del self._items_out[exchange.index]
+                self._prepared.clear()
+                return []
+            room = self.concurrency - self._in_flight
+            taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
+            self._in_flight += len(taken)
+            if taken:
+                self._room_made()
+            self._note_room()
+            return taken
+
+    def ended(self) -> bool:
+        """Whether the engine may forget the batch: nothing left to read, start or end."""
+        with self._lock:
+            return not self._reading and not self._prepared and not self._in_flight
+
+    def _finished(self, exchange: _Exchange) -> None:
+        assert exchange.outcome is not None
+        with self._lock:
+            self._in_flight -= 1
+            self._store(exchange.index, self._items_out.pop(exchange.index, None),
+                        exchange.outcome)
+            self._note_room()
+
+    def _note_room(self) -> None:
+        """Whether the engine, with room and nothing prepared, waits for the feeder's wake
+        (the lock is held)."""
+        self._engine_waits = (not self._prepared and self._in_flight < self.concurrency
+                              and self._reading)
+
+    def abandon(self, reason: str) -> None:
+        """The engine is gone: the prepared exchanges end unsent, and so does the reading
+        (the exchanges in flight get their outcomes from the engine)."""
+        with self._lock:
+            for exchange in self._prepared:
+                self._store(exchange.index, self._items_out.pop(exchange.index, None),
+                            NetworkError(reason, may_have_been_delivered=False))
+            self._prepared.clear()
+            if self._reading:
+                self._reading = False
+                self._error = NetworkError(reason, may_have_been_delivered=False)
+            self._pair_ready()
+            self._room_made()
+
+    def _store(self, index: int, item: Any, outcome: Outcome) -> None:
+        """Keep an item's outcome for the consumer (the lock is held)."""
+        self._outcomes[index] = (item, outcome)
+        self._done += 1
+        self._failed += isinstance(outcome, Exception)
+        if index == self._yielded or not self._reading:  # what the consumer waits for
+            self._pair_ready()
+        if self._progress is not None:
+            try:
+                self._progress(self._done, self._failed)
+            except Exception:  # the caller's code, run on andpush's threads: contain it
+                log.exception("the progress callback of push_many failed")
+
+    # The consumer -----------------------------------------------------------------------
+
+    def _next_or_end(self) -> Optional[Tuple[Any, Outcome]]:
+        """The next pair if it is there, else None to wait (the lock is held); raises
+        StopIteration after the last item read, or the input's error if it failed."""
+        if self._yielded in self._outcomes:
+            return self._take(1)[0]
+        if not self._reading and self._yielded == self._read:
+            error, self._error = self._error, None
+            if error is not None:
+                raise error
+            raise StopIteration
+        return None
+
+    def _all_there(self) -> bool:
+        return len(self._outcomes) >= self._read - self._yielded
+
+    def taken(self) -> int:
+        with self._lock:
+            return self._read
+
+    def _take(self, count: int) -> List[Tuple[Any, Outcome]]:
+        """Hand out the next ``count`` pairs, which are there (the lock is held)."""
+        pairs = [self._outcomes.pop(self._yielded + i) for i in range(count)]
+        self._yielded += count
+        self._room_made()  # the window moved
+        return pairs
+
+    def _rest(self) -> List[Tuple[Any, Outcome]]:
+        return self._take(len(self._outcomes))
+
+    def stop(self) -> None:
+        """Read no more: what was read is still sent, and its pairs are the last; the
+        input's error, if it failed meanwhile, is not raised (the consumer stopped first)."""
+        with self._lock:
+            self._reading, self._error = False, None
+            self._pair_ready()
+            self._room_made()
+        with contextlib.suppress(ValueError):
+            self.route.loop.wake()
+
+    def discard(self) -> None:
+        """The consumer is gone: read no more, and start nothing more."""
+        with self._lock:
+            self._reading, self._discarded = False, True
+            self._pair_ready()
+            self._room_made()
+        with contextlib.suppress(ValueError):
+            self.route.loop.wake()
+
+
+class _ThreadBatch(_Batch):
+    """A push_many of the threaded client: a feeder thread reads the input (which may
+    block: a generator over a database cursor); the consumer's thread waits for pairs."""
+
+    def __init__(self, items: Iterable[Any], make: Callable[[Any], _Exchange], route: _Route,
+                 concurrency: int, progress: Optional[Callable[[int, int], None]]) -> None:
+        super().__init__(make, route, concurrency, progress)
+        self._items = iter(items)
+        self._condition = threading.Condition(self._lock)  # the consumer waits on it
+        self._room = threading.Condition(self._lock)       # the feeder waits on it
+
+    def _pair_ready(self) -> None:
+        self._condition.notify_all()
+
+    def _room_made(self) -> None:
+        self._room.notify()
 
     def feed(self) -> None:
-        """Read the input and prepare exchanges until it ends or reading is stopped."""
+        """On the feeder thread: read and prepare until the input ends or reading stops."""
         while True:
-            with self._condition:
-                while self._reading and (
-                        len(self._prepared) >= self.concurrency
-                        or self._read - self._yielded >= self._window):
+            with self._lock:
+                while self._must_wait():
                     self._room.wait()
                 if not self._reading:
                     return
@@ -2665,149 +2933,25 @@ class _Batch:
                 return
             self._prepare(item)
 
-    def _prepare(self, item: Any) -> None:
-        try:
-            exchange: Optional[_Exchange] = self._make(item)
-        except Exception as exc:  # a bad message (TypeError, ValueError), or worse: its outcome
-            exchange, bad = None, exc
-        with self._condition:
-            if not self._reading:  # stopped while the input was being read: not sent
-                return
-            index = self._read
-            self._read += 1
-            if exchange is None:
-                self._store(index, item, bad)
-            else:
-                exchange.index = index
-                exchange.on_done = self._finished
-                self._items_out[index] = item
-                self._prepared.append(exchange)
-            wake, self._loop_waits = self._loop_waits, False
-        if wake:
-            self.route.loop.wake()
-
-    def _end_of_input(self, error: Optional[BaseException]) -> None:
-        with self._condition:
-            if self._reading:
-                self._reading, self._error = False, error
-                self._wake_all()
-        self.route.loop.wake()
-
-    # The I/O loop's thread --------------------------------------------------------
-
-    def ready(self) -> List[_Exchange]:
-        """The prepared exchanges that may start now, within ``concurrency``."""
-        with self._condition:
-            if self._discarded:  # taken from the input, never sent: nobody waits for them
-                for exchange in self._prepared:
-                    del self._items_out[exchange.index]
-                self._prepared.clear()
-                return []
-            room = self.concurrency - self._in_flight
-            taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
-            self._in_flight += len(taken)
-            if taken:
-                self._room.notify()
-            self._note_room()
-            return taken
-
-    def ended(self) -> bool:
-        """Whether the loop may forget the batch: nothing left to read, start or end."""
-        with self._condition:
-            return not self._reading and not self._prepared and not self._in_flight
-
-    def _finished(self, exchange: _Exchange) -> None:
-        assert exchange.outcome is not None
-        with self._condition:
-            self._in_flight -= 1
-            self._store(exchange.index, self._items_out.pop(exchange.index, None),
-                        exchange.outcome)
-            self._note_room()
-
-    def _note_room(self) -> None:
-        """Whether the loop, with room and nothing prepared, waits for the feeder's wake
-        (the condition is held)."""
-        self._loop_waits = (not self._prepared and self._in_flight < self.concurrency
-                            and self._reading)
-
-    def abandon(self, reason: str) -> None:
-        """The loop is gone: the prepared exchanges end unsent, and so does the reading
-        (the exchanges in flight get their outcomes from the loop)."""
-        with self._condition:
-            for exchange in self._prepared:
-                self._store(exchange.index, self._items_out.pop(exchange.index, None),
-                            NetworkError(reason, may_have_been_delivered=False))
-            self._prepared.clear()
-            if self._reading:
-                self._reading = False
-                self._error = NetworkError(reason, may_have_been_delivered=False)
-            self._wake_all()
-
-    def _store(self, index: int, item: Any, outcome: Outcome) -> None:
-        """Keep an item's outcome for the consumer (the condition is held)."""
-        self._outcomes[index] = (item, outcome)
-        self._done += 1
-        self._failed += isinstance(outcome, Exception)
-        if index == self._yielded or not self._reading:  # what the consumer waits for
-            self._condition.notify_all()
-        if self._progress is not None:
-            try:
-                self._progress(self._done, self._failed)
-            except Exception:  # the caller's code, run on andpush's threads: contain it
-                log.exception("the progress callback of push_many failed")
-
-    # The consumer -----------------------------------------------------------------
-
     def next_pair(self) -> Tuple[Any, Outcome]:
         """The next (item, outcome) in input order, once it has ended; StopIteration
         after the last item read, or the input's error if it failed."""
-        with self._condition:
-            while self._yielded not in self._outcomes:
-                if not self._reading and self._yielded == self._read:
-                    error, self._error = self._error, None
-                    if error is not None:
-                        raise error
-                    raise StopIteration
+        with self._lock:
+            while True:
+                pair = self._next_or_end()
+                if pair is not None:
+                    return pair
                 self._condition.wait()
-            return self._take(1)[0]
-
-    def taken(self) -> int:
-        with self._condition:
-            return self._read
 
     def rest(self) -> List[Tuple[Any, Outcome]]:
         """Every pair not yet handed out, once all have ended (reading must be stopped).
 
         Nothing is taken until all are there, so an interruption of the wait (Ctrl-C)
         loses none: they are still there for the next call."""
-        with self._condition:
-            while len(self._outcomes) < self._read - self._yielded:
+        with self._lock:
+            while not self._all_there():
                 self._condition.wait()
-            return self._take(len(self._outcomes))
-
-    def _take(self, count: int) -> List[Tuple[Any, Outcome]]:
-        """Hand out the next ``count`` pairs, which are there (the condition is held)."""
-        pairs = [self._outcomes.pop(self._yielded + i) for i in range(count)]
-        self._yielded += count
-        self._room.notify()  # the window moved
-        return pairs
-
-    def stop(self) -> None:
-        """Read no more: what was read is still sent, and its pairs are the last; the
-        input's error, if it failed meanwhile, is not raised (the consumer stopped first)."""
-        with self._condition:
-            self._reading, self._error = False, None
-            self._wake_all()
-        with contextlib.suppress(ValueError):
-            self.route.loop.wake()
-
-    def discard(self) -> None:
-        """The consumer is gone: read no more, and start nothing more."""
-        with self._condition:
-            self._reading, self._discarded = False, True
-            self._wake_all()
-        with contextlib.suppress(ValueError):
-            self.route.loop.wake()
+            return self._rest()
 
 
 # Credentials #################################################################
@@ -3068,18 +3212,54 @@ def _jwt(header: Dict[str, Any], claims: Dict[str, Any], key: _RSAPrivateKey) ->
     signing_input = ".".join(_b64url(part) for part in parts)
     return signing_input + "." + _b64url(_rs256_sign(key, signing_input.encode("ascii")))
 
+def _wait_for(exchange: _Exchange) -> Outcome:
+    """Run ``exchange`` on the threaded client's I/O thread, and wait for its outcome.
+
+    Only the threaded client's blocking calls need it (the command line's ``token``, a
+    project id from the metadata server); the engine runs token requests itself.
+    """
+    loop = exchange.route.loop
+    assert isinstance(loop, _Loop), "the asyncio client never waits"
+    return loop.run(exchange)
+
+
 class _Credentials:
-    """A source of access tokens, with the project id it knows of (if any)."""
+    """A source of access tokens, with the project id it knows of (if any).
+
+    A new token is one request through the engine (``token_request``) and what its
+    outcome says (``token_from``), so that either driver can run it without blocking.
+    """
 
     project_id: Optional[str] = None
     refreshable = True
-    fetch_blocks = True  # fetch() does I/O, so the I/O loop never calls it
+    fetch_blocks = True  # a token needs token_request's answer: the engine never waits for it
+
+    def token_request(self) -> Optional[_Exchange]:
+        """The request that asks for a new token (None: ``token_from`` needs none)."""
+        raise NotImplementedError
+
+    def token_from(self, outcome: Optional[Outcome]) -> Tuple[str, Optional[float]]:
+        """The access token and its lifetime in seconds (None: unknown) that the token
+        request's outcome holds; AuthError if it holds none."""
+        raise NotImplementedError
 
     def fetch(self) -> Tuple[str, Optional[float]]:
-        """A new access token and its lifetime in seconds (None: unknown)."""
+        """A new access token and its lifetime, waiting for the request (threads only)."""
+        request = self.token_request()
+        return self.token_from(None if request is None else _wait_for(request))
+
+    def project_request(self) -> Optional[_Exchange]:
+        """The request that finds the project id (None: these credentials cannot)."""
+        return None
+
+    def project_from(self, outcome: Outcome) -> str:
         raise NotImplementedError
 
     def find_project_id(self) -> Optional[str]:
+        """The project id these credentials name or can find (threads only: it may wait)."""
+        request = self.project_request()
+        if self.project_id is None and request is not None:
+            self.project_id = self.project_from(_wait_for(request))
         return self.project_id
 
     def __repr__(self) -> str:
@@ -3089,15 +3269,17 @@ class _Credentials:
 class _TokenGrant(_Credentials):
     """Credentials that trade a form POST to an OAuth2 token endpoint for a token."""
 
-    def __init__(self, token_uri: str, loop: _Loop) -> None:
+    def __init__(self, token_uri: str, loop: _Engine) -> None:
         origin, self._token_path = _split_url(token_uri, "token_uri")
         self._route = loop.route(origin)
 
-    def fetch(self) -> Tuple[str, Optional[float]]:
+    def token_request(self) -> _Exchange:
         body = urllib.parse.urlencode(self._grant()).encode("ascii")
         headers = {"Content-Type": "application/x-www-form-urlencoded"}
-        answer = _request_token(self._route, "POST", self._token_path, headers, body)
-        return _token_from(answer, "the token endpoint")
+        return _token_exchange(self._route, "POST", self._token_path, headers, body)
+
+    def token_from(self, outcome: Optional[Outcome]) -> Tuple[str, Optional[float]]:
+        return _token_from(_token_answer(outcome), "the token endpoint")
 
     def _grant(self) -> Dict[str, str]:
         raise NotImplementedError
@@ -3106,7 +3288,7 @@ class _TokenGrant(_Credentials):
 class _ServiceAccount(_TokenGrant):
     """A service account key file: sign a JWT with its private key (RFC 7523 grant)."""
 
-    def __init__(self, info: Dict[str, Any], loop: _Loop) -> None:
+    def __init__(self, info: Dict[str, Any], loop: _Engine) -> None:
         self._email = _field(info, "client_email")
         self._key_id = info.get("private_key_id")
         try:
@@ -3138,7 +3320,7 @@ class _ServiceAccount(_TokenGrant):
 class _AuthorizedUser(_TokenGrant):
     """gcloud's user credentials: trade the refresh token for an access token."""
 
-    def __init__(self, info: Dict[str, Any], loop: _Loop) -> None:
+    def __init__(self, info: Dict[str, Any], loop: _Engine) -> None:
         self._grant_fields = {
             "grant_type": "refresh_token",
             "client_id": _field(info, "client_id"),
@@ -3159,34 +3341,36 @@ class _MetadataServer(_Credentials):
     _TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
     _PROJECT_PATH = "/computeMetadata/v1/project/project-id"
 
-    def __init__(self, host: str, tried: List[str], loop: _Loop) -> None:
+    def __init__(self, host: str, tried: List[str], loop: _Engine) -> None:
         self._tried = tried + ["the metadata server at %s" % host]
         self._route = loop.route("http://" + host)
 
-    def fetch(self) -> Tuple[str, Optional[float]]:
-        return _token_from(self._get(self._TOKEN_PATH), "the metadata server")
+    def token_request(self) -> _Exchange:
+        return _token_exchange(self._route, "GET", self._TOKEN_PATH, self._HEADERS, b"")
 
-    def find_project_id(self) -> Optional[str]:
-        if self.project_id is None:
-            body = self._get(self._PROJECT_PATH).body
-            try:
-                self.project_id = body.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise AuthError(
-                    "the metadata server sent a project id that is not UTF-8 text; "
-                    "pass project_id= or set GOOGLE_CLOUD_PROJECT"
-                ) from None
-        return self.project_id
+    def token_from(self, outcome: Optional[Outcome]) -> Tuple[str, Optional[float]]:
+        return _token_from(self._answer(outcome), "the metadata server")
 
-    def _get(self, path: str) -> Response:
+    def project_request(self) -> _Exchange:
+        return _token_exchange(self._route, "GET", self._PROJECT_PATH, self._HEADERS, b"")
+
+    def project_from(self, outcome: Outcome) -> str:
         try:
-            return _request_token(self._route, "GET", path, self._HEADERS, b"")
-        except NetworkError as exc:
+            return self._answer(outcome).body.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise AuthError(
+                "the metadata server sent a project id that is not UTF-8 text; "
+                "pass project_id= or set GOOGLE_CLOUD_PROJECT"
+            ) from None
+
+    def _answer(self, outcome: Optional[Outcome]) -> Response:
+        if isinstance(outcome, NetworkError):
             raise AuthError(
                 "no Google credentials found; tried %s (%s). Pass credentials= or set "
                 "GOOGLE_APPLICATION_CREDENTIALS to a service account key file"
-                % (", ".join(self._tried), exc)
+                % (", ".join(self._tried), outcome)
             ) from None
+        return _token_answer(outcome)
 
 
 class _StaticToken(_Credentials):
@@ -3199,7 +3383,10 @@ class _StaticToken(_Credentials):
         self.project_id = project_id
         self.refreshable = callable(token)
 
-    def fetch(self) -> Tuple[str, Optional[float]]:
+    def token_request(self) -> None:
+        return None
+
+    def token_from(self, outcome: Optional[Outcome]) -> Tuple[str, Optional[float]]:
         try:
             token = self._token() if callable(self._token) else self._token
         except Exception as exc:  # the caller's code, run on the I/O thread: contain it
@@ -3228,15 +3415,21 @@ def _field(info: Dict[str, Any], name: str) -> str:
     return value
 
 
-def _request_token(
+def _token_exchange(
     route: _Route, method: str, path: str, headers: Dict[str, str], body: bytes
-) -> Response:
-    """Ask a token endpoint, retrying briefly what may succeed later (it is idempotent)."""
+) -> _Exchange:
+    """A request to a token endpoint, retried briefly when it may succeed later (it is
+    idempotent)."""
     retry = _Retry(_TOKEN_RETRIES, _TOKEN_BACKOFF, idempotent=True, may_refresh=False)
-    try:
-        return route.request(method, path, headers, body, retry)
-    except Error as exc:
-        raise _auth_error(exc) from None
+    return _Exchange(route, method, path, body, retry, headers=headers)
+
+
+def _token_answer(outcome: Optional[Outcome]) -> Response:
+    """The 2xx answer of a token endpoint, or the AuthError its failure means."""
+    if isinstance(outcome, Response):
+        return outcome
+    assert isinstance(outcome, Error)
+    raise _auth_error(outcome) from None
 
 
 def _auth_error(error: Error) -> Error:
@@ -3279,10 +3472,11 @@ def _token_from(response: Response, source: str) -> Tuple[str, Optional[float]]:
 class _TokenCache:
     """The current access token, refreshed shortly before it expires.
 
-    However many threads find it stale at once, one of them fetches (single flight);
-    the others wait and share its token or its error. A failure is given to every caller
-    for a second before the next try, so that a push_many over broken credentials does
-    not ask the token endpoint once per message.
+    The engine fetches it (``answered`` takes what its token request got); a thread
+    that must have it at once (``get``) fetches it itself, and however many find it
+    stale together, one of them fetches (single flight) and the others share its token
+    or its error. A failure is given to every caller for a second before the next try,
+    so that a push_many over broken credentials does not ask once per message.
     """
 
     def __init__(self, credentials: _Credentials, clock: _Clock) -> None:
@@ -3306,7 +3500,8 @@ class _TokenCache:
                 raise self._error
             if self._generation != generation and self._token is not None:
                 return self._token
-            return self._refresh()
+            request = self.credentials.token_request()
+            return self.answered(None if request is None else _wait_for(request))
 
     def current(self) -> Optional[str]:
         """The token, if it can be had without waiting: valid, or fetched without I/O.
@@ -3326,9 +3521,11 @@ class _TokenCache:
             if self._token == token:
                 self._token = None
 
-    def _refresh(self) -> str:
+    def answered(self, outcome: Optional[Outcome]) -> str:
+        """Keep and return the token a token request's outcome holds (None: the
+        credentials need no request); keep and raise the error if it holds none."""
         try:
-            token, lifetime = self.credentials.fetch()
+            token, lifetime = self.credentials.token_from(outcome)
         except Error as exc:
             self._token, self._error = None, exc
             self._error_until = self._clock.now() + _TOKEN_FAILURE_HOLD
@@ -3345,7 +3542,7 @@ class _TokenCache:
         return token
 
 
-def _load_credentials(source: object, loop: _Loop) -> _Credentials:
+def _load_credentials(source: object, loop: _Engine) -> _Credentials:
     """Credentials from a key file path, a dict, or a JSON string."""
     if isinstance(source, dict):
         info = source
@@ -3385,7 +3582,7 @@ def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, 
     return info
 
 
-def _application_default_credentials(loop: _Loop) -> _Credentials:
+def _application_default_credentials(loop: _Engine) -> _Credentials:
     """Application Default Credentials, looked up in the order Google's libraries use."""
     path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     if path:
@@ -3694,9 +3891,11 @@ class _LegacyAPI:
     name = "legacy"
     target = "to"  # where one device token goes in a message
     refreshable = False
+    signer: Optional[_Signer] = None  # every request has the same headers
 
     def __init__(self, server_key: str) -> None:
-        self._headers = {"Authorization": "key=" + server_key, "Content-Type": "application/json"}
+        self.fixed_headers = {"Authorization": "key=" + server_key,
+                              "Content-Type": "application/json"}
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
         """Path, body and target tokens of a push; TypeError/ValueError for a bad message."""
@@ -3708,16 +3907,10 @@ class _LegacyAPI:
         return "/fcm/send", body, _legacy_tokens(message)
 
     def headers(self) -> Tuple[Dict[str, str], str]:
-        return self._headers, ""
-
-    def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]:
-        return self._headers, ""
+        return self.fixed_headers, ""
 
     def project_path(self) -> str:
         raise ValueError("topic management needs the v1 API: create the client with credentials")
-
-    def invalidate(self, token: str) -> None:
-        """Nothing to refresh: a server key does not expire."""
 
 
 class _V1API:
@@ -3726,12 +3919,15 @@ class _V1API:
     name = "v1"
     target = "token"
 
+    fixed_headers: Dict[str, str] = {}  # the access token's come from the signer
+
     def __init__(self, credentials: _Credentials, project_id: Optional[str],
                  clock: _Clock) -> None:
         self._tokens = _TokenCache(credentials, clock)
         self._project_id = project_id
         self._project_path = ""
         self.refreshable = credentials.refreshable
+        self.signer: Optional[_Signer] = self
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
         checked = _check_message(message)
@@ -3742,31 +3938,55 @@ class _V1API:
 
     def headers(self) -> Tuple[Dict[str, str], str]:
         """The headers of a send, with the access token (fetched if need be: it may block)."""
-        token = self._tokens.get()
-        return {"Authorization": "Bearer " + token, "Content-Type": "application/json"}, token
+        return self._signed(self._tokens.get())
 
     def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]:
         """The headers of a send, or None while the access token must be fetched first."""
         token = self._tokens.current()
-        if token is None:
-            return None
+        return None if token is None else self._signed(token)
+
+    def token_request(self) -> _Exchange:
+        request = self._tokens.credentials.token_request()
+        assert request is not None, "headers_now gets a token that needs no request itself"
+        return request
+
+    def token_answered(
+        self, outcome: Optional[Outcome]
+    ) -> Union[Tuple[Dict[str, str], str], Error]:
+        try:
+            return self._signed(self._tokens.answered(outcome))
+        except Error as exc:
+            return exc
+
+    @staticmethod
+    def _signed(token: str) -> Tuple[Dict[str, str], str]:
         return {"Authorization": "Bearer " + token, "Content-Type": "application/json"}, token
 
     def project_path(self) -> str:
-        """``/v1/projects/<id>``, the project found once: given, in the key, environment, GCE."""
+        """``/v1/projects/<id>``, the project found once: given, in the key, environment, GCE
+        (the threaded client asks the metadata server here; the asyncio one before)."""
         if not self._project_path:
-            credentials = self._tokens.credentials
-            project = (
-                self._project_id or credentials.project_id
-                or os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
-                or credentials.find_project_id()
-            )
-            if not project:
-                raise AuthError(
-                    "no Firebase project id: pass project_id= or set GOOGLE_CLOUD_PROJECT"
-                )
-            self._project_path = "/v1/projects/" + urllib.parse.quote(project, safe="")
+            self._found_project(self._known_project()
+                                or self._tokens.credentials.find_project_id())
         return self._project_path
+
+    def project_request(self) -> Optional[_Exchange]:
+        """The request that finds the project id, when nothing given names it."""
+        if self._project_path or self._known_project():
+            return None
+        return self._tokens.credentials.project_request()
+
+    def project_answered(self, outcome: Outcome) -> None:
+        self._found_project(self._tokens.credentials.project_from(outcome))
+
+    def _known_project(self) -> Optional[str]:
+        return (self._project_id or self._tokens.credentials.project_id
+                or os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT"))
+
+    def _found_project(self, project: Optional[str]) -> None:
+        if not project:
+            raise AuthError("no Firebase project id: pass project_id= or set GOOGLE_CLOUD_PROJECT")
+        self._project_path = "/v1/projects/" + urllib.parse.quote(project, safe="")
 
     def invalidate(self, token: str) -> None:
         self._tokens.invalidate(token)
@@ -3787,10 +4007,11 @@ class Client:
     ``with``) when done. In a forked child it opens connections of its own.
     """
 
-    def __init__(self, api: Union[_LegacyAPI, _V1API], route: _Route, retry: _Retry) -> None:
+    def __init__(self, api: Union[_LegacyAPI, _V1API], loop: _Loop, route: _Route,
+                 retry: _Retry) -> None:
         self._api = api
         self._route = route
-        self._loop = route.loop
+        self._loop = loop
         self._retry = retry
 
     def push(self, message: Dict[str, Any], *, validate_only: bool = False,
@@ -3896,8 +4117,8 @@ class Client:
     def _exchange(self, message: object, validate_only: bool) -> _Exchange:
         """A push, checked and encoded (TypeError/ValueError for a bad message)."""
         path, body, tokens = self._api.prepare(message, validate_only)
-        exchange = _Exchange(self._route, "POST", path, body, self._retry, signer=self._api,
-                             paced=True)
+        exchange = _Exchange(self._route, "POST", path, body, self._retry,
+                             signer=self._api.signer, headers=self._api.fixed_headers, paced=True)
         exchange.tokens = tokens
         return exchange
 
@@ -3921,7 +4142,7 @@ class Client:
             else:
                 path += "/" + quoted_topic
             return _Exchange(self._route, method, path, b"{}" if method == "POST" else b"",
-                             self._retry, signer=self._api, paced=True)
+                             self._retry, signer=self._api.signer, paced=True)
 
         concurrency = min(len(tokens), DEFAULT_CONCURRENCY) or 1
         return [_already_subscribed(outcome)
@@ -3934,7 +4155,7 @@ class Client:
         concurrency: int,
         progress: Optional[Callable[[int, int], None]],
     ) -> "_Outcomes":
-        batch = _Batch(items, make, self._route, concurrency, progress)
+        batch = _ThreadBatch(items, make, self._route, concurrency, progress)
         self._loop.add_batch(batch)
         threading.Thread(target=batch.feed, name="andpush-push_many", daemon=True).start()
         return _Outcomes(batch)
@@ -3958,7 +4179,7 @@ class _Outcomes(Iterator[Tuple[Any, Outcome]]):
     nothing more, without waiting: nobody is left to receive those outcomes.
     """
 
-    def __init__(self, batch: "_Batch") -> None:
+    def __init__(self, batch: _ThreadBatch) -> None:
         self._batch = batch
 
     def __next__(self) -> Tuple[Any, Outcome]:
@@ -4028,7 +4249,7 @@ def new(
                  _Policy(rate_limit, _Clock()))
     api = _api(server_key, credentials, project_id, access_token, loop)
     retry = _Retry(max_retries, backoff_factor, may_refresh=api.refreshable)
-    return Client(api, loop.route(endpoint, pool_size), retry)
+    return Client(api, loop, loop.route(endpoint, pool_size), retry)
 
 build = new
 
@@ -4038,7 +4259,7 @@ def _api(
     credentials: object,
     project_id: Optional[str],
     access_token: Union[None, str, Callable[[], str]],
-    loop: _Loop,
+    loop: _Engine,
 ) -> Union[_LegacyAPI, _V1API]:
     """The API the options select, with its credentials loaded."""
     if project_id is not None and (not isinstance(project_id, str) or not project_id):
