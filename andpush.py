@@ -67,13 +67,17 @@ import threading
 import time
 import urllib.parse
 from typing import (
-    Any, Callable, Deque, Dict, Iterable, Iterator, List, Mapping, NoReturn, Optional,
-    TYPE_CHECKING, Protocol, TextIO, Tuple, Type, Union,
+    Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Deque, Dict, Iterable, Iterator,
+    List, Mapping, NoReturn, Optional, Set, TYPE_CHECKING, Protocol, TextIO, Tuple, Type,
+    Union, cast,
 )
+
+if TYPE_CHECKING:
+    import asyncio
 
 __version__ = "0.1.0"
 __all__ = [  # what help(andpush) shows: ``build``, an alias of ``new``, is left out
-    "new", "Client", "Response", "Headers",
+    "new", "new_async", "Client", "AsyncClient", "Response", "Headers",
     "Error", "NetworkError", "AuthError", "HTTPError", "ClientError", "ServerError",
     "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
     "QuotaExceededError", "ThirdPartyAuthError", "UnauthenticatedError",
@@ -2007,7 +2011,7 @@ class _Engine:
         """Do what is due: timers, prepared batches, deadlines, then write what waits.
 
         Returns the seconds the driver may wait before the next turn (None: until a
-        connection or a caller has something; 0.0 with nothing left at all)."""
+        connection or a caller has something)."""
         self._fire_timers(now)
         self._feed_batches()
         if now >= self._due:
@@ -2419,9 +2423,7 @@ class _Engine:
             due.extend(h1.exchange.deadline for h1 in route.busy if h1.exchange)
             due.extend(h1.idle_since + self._keep_alive_timeout for h1 in route.idle)
         self._due = min(due) if due else math.inf
-        if not due:
-            return 0.0 if self._is_idle() else None
-        return max(0.0, self._due - now + 0.001)
+        return max(0.0, self._due - now + 0.001) if due else None
 
     # Ending -------------------------------------------------------------------------
 
@@ -2605,6 +2607,8 @@ class _Loop(_Engine):
             self._abandon("the client was closed")
             return False
         timeout = self._turn(self.policy.clock.now())
+        if timeout is None and self._is_idle():
+            timeout = 0.0  # the next step ends the thread, unless work came meanwhile
         for key, events in self._selector.select(timeout):
             if key.data is None:
                 with contextlib.suppress(OSError):
@@ -2690,6 +2694,252 @@ class _Loop(_Engine):
                     return
         except OSError as exc:
             self._lost(link, "the connection broke: %s" % _reason(exc))
+
+
+class _AsyncLoop(_Engine):
+    """The engine's asyncio driver: no threads, every connection an asyncio transport.
+
+    It belongs to the event loop it is first used on. Each callback (bytes, a
+    connection made or lost) is handled at once, and one turn is then scheduled to write
+    what waits and to arm the timer of the next deadline. A failure inside the engine
+    ends, truthfully, every request it held, as in the thread driver.
+    """
+
+    def __init__(self, ssl_context: ssl.SSLContext, connect_timeout: float,
+                 read_timeout: float, keep_alive_timeout: float, proxy: Optional[str],
+                 policy: _Policy) -> None:
+        super().__init__(connect_timeout, read_timeout, keep_alive_timeout, proxy, policy)
+        self._ssl_context = ssl_context
+        self._loop: Optional["asyncio.AbstractEventLoop"] = None
+        self._turn_due = False
+        self._timer: Optional["asyncio.TimerHandle"] = None
+        self._connecting: Set["asyncio.Task[None]"] = set()
+        self._closed = False
+
+    def bind(self) -> "asyncio.AbstractEventLoop":
+        """The running event loop, which must be the one this client was first used on."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise ValueError("the client is closed; create a new one")
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                "this andpush.AsyncClient belongs to the event loop it was first used on; "
+                "create one client per event loop"
+            )
+        return loop
+
+    async def run(self, exchange: _Exchange) -> Outcome:
+        """Start ``exchange`` and wait for its outcome. Cancelled, it is dropped if unsent;
+        sent, its HTTP/2 stream is reset or its HTTP/1.1 connection closed."""
+        done = self.bind().create_future()
+
+        def finished(_: _Exchange) -> None:
+            if not done.done():
+                done.set_result(None)
+        exchange.on_done = finished
+        self._guarded(self._begin, exchange)
+        try:
+            await done
+        except BaseException:
+            if exchange.outcome is None:
+                self._guarded(self._cancel, exchange)
+            raise
+        assert exchange.outcome is not None
+        return exchange.outcome
+
+    def add_batch(self, batch: "_Batch") -> None:
+        self._guarded(self._add_batch, batch)
+
+    def wake(self) -> None:
+        if not self._turn_due and self._loop is not None and not self._closed:
+            self._turn_due = True
+            self._loop.call_soon(self._take_turn)
+
+    async def close(self) -> None:
+        """End every connection and request; wait until the connects under way are gone."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for task in self._connecting:
+            task.cancel()
+        self._abandon("the client was closed")
+        if self._connecting:
+            import asyncio
+
+            await asyncio.gather(*self._connecting, return_exceptions=True)
+
+    def _guarded(self, work: Callable[..., object], *args: Any) -> None:
+        """Run engine code from a callback; if it fails (a bug), end what it held."""
+        try:
+            work(*args)
+        except Exception as exc:
+            log.exception("andpush's I/O loop failed; its requests end with NetworkError")
+            self._abandon("andpush's I/O loop failed: %s" % _reason(exc))
+        self.wake()
+
+    def _take_turn(self) -> None:
+        self._turn_due = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        try:
+            timeout = self._turn(self.policy.clock.now())
+        except Exception as exc:
+            log.exception("andpush's I/O loop failed; its requests end with NetworkError")
+            self._abandon("andpush's I/O loop failed: %s" % _reason(exc))
+            return
+        if timeout is not None and self._loop is not None:
+            self._timer = self._loop.call_later(timeout, self.wake)
+
+    # Connections ------------------------------------------------------------------
+
+    def _open(self, route: _Route) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(self._connect(route, route.generation))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _connect(self, route: _Route, generation: int) -> None:
+        import asyncio
+
+        origin = route.origin
+        try:
+            carrier = await asyncio.wait_for(self._open_carrier(origin), self._connect_timeout)
+        except (OSError, asyncio.TimeoutError, _ProtocolError) as exc:
+            where = ("the proxy %s:%d for %r" % (origin.proxy[:2] + (origin,))
+                     if origin.proxy else repr(origin))
+            reason = _reason(exc) if not isinstance(exc, asyncio.TimeoutError) else "timed out"
+            error = NetworkError("could not connect to %s: %s" % (where, reason),
+                                 may_have_been_delivered=False)
+            self._guarded(self._connect_failed, route, error, generation)
+            return
+        ssl_object = carrier.transport.get_extra_info("ssl_object")
+        h2 = ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2"
+
+        def take() -> None:
+            if not self._connected(route, carrier, h2, generation):
+                carrier.transport.close()
+        self._guarded(take)
+
+    async def _open_carrier(self, origin: _Origin) -> "_Carrier":
+        """A connection to ``origin``: TCP, the CONNECT tunnel if any, TLS for https."""
+        assert self._loop is not None
+        carrier = _Carrier(self)
+        protocol = cast("asyncio.Protocol", carrier)  # a protocol by its methods
+        context = self._ssl_context if origin.scheme == "https" else None
+        try:
+            if origin.proxy is None:
+                await self._loop.create_connection(
+                    lambda: protocol, origin.host, origin.port, ssl=context,
+                    server_hostname=origin.host if context else None)
+                return carrier
+            proxy_host, proxy_port, proxy_headers = origin.proxy
+            await self._loop.create_connection(lambda: protocol, proxy_host, proxy_port)
+            await carrier.tunnel(origin, proxy_headers)
+            if context is not None:
+                carrier.transport = await self._loop.start_tls(
+                    carrier.transport, protocol, context, server_hostname=origin.host)
+            return carrier
+        except BaseException:
+            if carrier.transport is not None:
+                carrier.transport.abort()
+            raise
+
+    def _watch(self, link: _Link) -> None:
+        link.carrier.attach(link)
+
+    def _send(self, link: _Link) -> None:
+        out = link.pending()
+        if out:
+            link.carrier.transport.write(bytes(out))
+            link.wrote(len(out))
+
+    def _shut(self, link: _Link) -> None:
+        self._send(link)
+        link.carrier.transport.close()
+
+
+class _Carrier:
+    """One asyncio connection's protocol: it hands what arrives to the engine. (asyncio
+    takes any object with a protocol's methods, so this one needs no import of it.)"""
+
+    def __init__(self, engine: _AsyncLoop) -> None:
+        self._engine = engine
+        self.transport: Any = None
+        self._link: Optional[_Link] = None
+        self._early: List[bytes] = []         # what came before the engine took the link
+        self._lost: Optional[str] = None
+        self._head: Optional["asyncio.Future[bytes]"] = None  # a CONNECT's answer
+
+    def attach(self, link: _Link) -> None:
+        """Hand everything from now on (and what came already) to the engine for ``link``."""
+        self._link = link
+        for data in self._early:
+            if not link.closed:
+                self._engine._received(link, data)
+        self._early = []
+        if self._lost is not None:
+            self._engine._lost(link, self._lost)
+
+    async def tunnel(self, origin: _Origin, headers: Dict[str, str]) -> None:
+        """Ask the proxy for a tunnel to ``origin``; _ProtocolError if it refuses."""
+        assert self._engine._loop is not None
+        self._head = self._engine._loop.create_future()
+        lines = ["CONNECT %s:%d HTTP/1.1" % (origin.host, origin.port),
+                 "Host: %s:%d" % (origin.host, origin.port)]
+        lines += ["%s: %s" % item for item in headers.items()]
+        self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        head = await self._head
+        _, status, reason = _parse_status_line(head.split(b"\r\n", 1)[0].decode("latin-1"))
+        if status != 200:
+            raise _ProtocolError("the proxy refused the tunnel: %d %s" % (status, reason))
+
+    # asyncio's protocol methods ------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._head is not None and not self._head.done():
+            self._early.append(data)
+            head = b"".join(self._early)
+            if b"\r\n\r\n" in head:
+                self._early = []
+                self._head.set_result(head)
+            elif len(head) > _MAX_HEAD:
+                self._head.set_exception(_ProtocolError("the proxy's answer is too long"))
+            return
+        link = self._link
+        if link is None:
+            self._early.append(data)
+        elif not link.closed:
+            self._engine._guarded(self._engine._received, link, data)
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself, and connection_lost follows
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        reason = ("the connection broke: %s" % _reason(exc) if exc is not None
+                  else "the server closed the connection")
+        if self._head is not None and not self._head.done():
+            self._head.set_exception(ConnectionError(reason))
+        link = self._link
+        if link is None:
+            self._lost = reason
+        elif not link.closed:
+            self._engine._guarded(self._engine._lost, link, reason)
+
+    def pause_writing(self) -> None:
+        """Nothing to pause: what is written is bounded by the requests in flight."""
+
+    def resume_writing(self) -> None:
+        """See pause_writing."""
 
 
 # Outcomes push_many may hold per message in flight, sent or waiting to be consumed: room
@@ -2952,6 +3202,102 @@ class _ThreadBatch(_Batch):
             while not self._all_there():
                 self._condition.wait()
             return self._rest()
+
+
+class _AsyncBatch(_Batch):
+    """A push_many of the asyncio client: a task reads the input (an iterable, read in
+    the event loop, or an async iterable); the consumer awaits pairs."""
+
+    def __init__(self, items: Union[Iterable[Any], AsyncIterable[Any]],
+                 make: Callable[[Any], _Exchange], route: _Route, concurrency: int,
+                 progress: Optional[Callable[[int, int], None]],
+                 before: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(make, route, concurrency, progress)
+        self._items = items
+        self._before = before
+        self._pair_waiter: Optional["asyncio.Future[None]"] = None
+        self._room_waiter: Optional["asyncio.Future[None]"] = None
+        self._feeder: Optional["asyncio.Task[None]"] = None
+
+    def start(self, loop: "asyncio.AbstractEventLoop") -> None:
+        self._feeder = loop.create_task(self._feed())
+
+    def _pair_ready(self) -> None:
+        _resolve(self._pair_waiter)
+
+    def _room_made(self) -> None:
+        _resolve(self._room_waiter)
+
+    async def _feed(self) -> None:
+        try:
+            await self._before()
+            if isinstance(self._items, AsyncIterable):
+                async for item in self._items:
+                    if not await self._room_for_more():
+                        return
+                    self._prepare(item)
+            else:
+                for item in self._items:
+                    if not await self._room_for_more():
+                        return
+                    self._prepare(item)
+        except Exception as exc:  # the caller's iterable failed: hand it over
+            self._end_of_input(exc)
+        else:
+            self._end_of_input(None)
+
+    async def _room_for_more(self) -> bool:
+        """Wait while the window is full; False once reading has stopped."""
+        while True:
+            with self._lock:
+                if not self._must_wait():
+                    return self._reading
+            self._room_waiter = _new_future()
+            await self._room_waiter
+
+    async def next_pair(self) -> Tuple[Any, Outcome]:
+        """The next (item, outcome) in input order; StopAsyncIteration after the last
+        item read, or the input's error if it failed. Cancelled, reading stops and nothing
+        more is sent."""
+        while True:
+            with self._lock:
+                try:
+                    pair = self._next_or_end()
+                except StopIteration:
+                    raise StopAsyncIteration from None
+                if pair is not None:
+                    return pair
+            self._pair_waiter = _new_future()
+            try:
+                await self._pair_waiter
+            except BaseException:
+                self.discard()
+                raise
+
+    async def rest(self) -> List[Tuple[Any, Outcome]]:
+        """Every pair not yet handed out, once all have ended (reading must be stopped)."""
+        while True:
+            with self._lock:
+                if self._all_there():
+                    return self._rest()
+            self._pair_waiter = _new_future()
+            await self._pair_waiter
+
+    def discard(self) -> None:
+        super().discard()
+        if self._feeder is not None:
+            self._feeder.cancel()
+
+
+def _new_future() -> "asyncio.Future[None]":
+    import asyncio
+
+    return asyncio.get_running_loop().create_future()
+
+
+def _resolve(waiter: Optional["asyncio.Future[None]"]) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 # Credentials #################################################################
@@ -3993,10 +4339,85 @@ class _V1API:
 
 
 # Client ######################################################################
-# The public face: push one message, push many, manage topics.
+# The public face: push one message, push many, manage topics; with threads or asyncio.
 
 #: Messages in flight at once in push_many, by default.
 DEFAULT_CONCURRENCY = 50
+
+
+class _Requests:
+    """What both clients share: the API, the route to FCM, and how each request is made
+    and checked (TypeError/ValueError before any I/O)."""
+
+    def __init__(self, api: Union[_LegacyAPI, _V1API], route: _Route, retry: _Retry) -> None:
+        self.api = api
+        self.route = route
+        self._retry = retry
+
+    def describe(self, client: object) -> str:
+        return "<andpush.%s %s %r>" % (type(client).__name__, self.api.name, self.route)
+
+    def exchange(self, message: object, validate_only: bool) -> _Exchange:
+        """A push, checked and encoded (TypeError/ValueError for a bad message)."""
+        path, body, tokens = self.api.prepare(message, validate_only)
+        exchange = _Exchange(self.route, "POST", path, body, self._retry,
+                             signer=self.api.signer, headers=self.api.fixed_headers, paced=True)
+        exchange.tokens = tokens
+        return exchange
+
+    def push(self, message: object, validate_only: bool, timeout: Optional[float]) -> _Exchange:
+        exchange = self.exchange(message, validate_only)
+        if timeout is not None:
+            _check_number("timeout", timeout, minimum=0, exclusive=True)
+            exchange.timeout = float(timeout)
+        return exchange
+
+    def to_each(self, message: Dict[str, Any], tokens: object,
+                concurrency: int) -> Callable[[Any], _Exchange]:
+        """How push_multicast makes the push to one token (the arguments checked first)."""
+        message = _check_dict(message)
+        targets = sorted(set(message) & {"token", "topic", "condition", "to",
+                                         "registration_ids", "tokens"})
+        if targets:
+            raise ValueError("push_multicast sends message to each token itself; leave %s out"
+                             " of message" % " and ".join(repr(t) for t in targets))
+        if isinstance(tokens, (str, bytes)):
+            raise TypeError("tokens must be an iterable of str, not one %s"
+                            % type(tokens).__name__)
+        _check_number("concurrency", concurrency, minimum=1, integer=True)
+        target = self.api.target
+
+        def to(token: object) -> _Exchange:
+            if not isinstance(token, str) or not token:
+                raise TypeError("every token must be a non-empty str, got %s"
+                                % type(token).__name__)
+            return self.exchange(dict(message, **{target: token}), False)
+        return to
+
+    def topic_changes(self, method: str, tokens: Iterable[str],
+                      topic: str) -> Tuple[List[str], Callable[[str], _Exchange]]:
+        """The tokens (checked) and how to make the request that changes one's topics."""
+        if not isinstance(topic, str):
+            raise TypeError("topic must be a str, got %s" % type(topic).__name__)
+        _check_topic(topic)
+        if isinstance(tokens, str):
+            raise TypeError("tokens must be a list of str, not one str")
+        tokens = list(tokens)
+        for token in tokens:
+            if not isinstance(token, str) or not token:
+                raise ValueError("every token must be a non-empty str")
+        base = self.api.project_path() + "/registrations/"
+        quoted_topic = urllib.parse.quote(topic, safe="")
+
+        def manage(token: str) -> _Exchange:
+            path = base + urllib.parse.quote(token, safe="") + "/topicSubscriptions"
+            if method == "POST":
+                path += "?topic_name=" + quoted_topic
+            else:
+                path += "/" + quoted_topic
+            return _Exchange(self.route, method, path, b"{}" if method == "POST" else b"",
+                             self._retry, signer=self.api.signer, paced=True)
+        return tokens, manage
 
 
 class Client:
@@ -4009,10 +4430,8 @@ class Client:
 
     def __init__(self, api: Union[_LegacyAPI, _V1API], loop: _Loop, route: _Route,
                  retry: _Retry) -> None:
-        self._api = api
-        self._route = route
+        self._requests = _Requests(api, route, retry)
         self._loop = loop
-        self._retry = retry
 
     def push(self, message: Dict[str, Any], *, validate_only: bool = False,
              timeout: Optional[float] = None) -> Response:
@@ -4023,11 +4442,7 @@ class Client:
         for this call. With the legacy API a 200 whose results hold per-token errors is a
         success: see ``Response.errors`` and ``Response.canonical_tokens``.
         """
-        exchange = self._exchange(message, validate_only)
-        if timeout is not None:
-            _check_number("timeout", timeout, minimum=0, exclusive=True)
-            exchange.timeout = float(timeout)
-        outcome = self._loop.run(exchange)
+        outcome = self._loop.run(self._requests.push(message, validate_only, timeout))
         if isinstance(outcome, Response):
             return outcome
         raise outcome
@@ -4058,7 +4473,8 @@ class Client:
         stream limit. ``progress(done, failed)`` is called from andpush's threads.
         """
         _check_number("concurrency", concurrency, minimum=1, integer=True)
-        return self._batch(messages, lambda m: self._exchange(m, False), concurrency, progress)
+        make = self._requests.exchange
+        return self._batch(messages, lambda m: make(m, False), concurrency, progress)
 
     def push_multicast(
         self,
@@ -4073,25 +4489,8 @@ class Client:
         ``(token, outcome)`` pair per token, in order, with push_many's ``close()`` and
         ``stop()``; a token that is not a non-empty str gets a TypeError, not sent.
         """
-        message = _check_dict(message)
-        targets = sorted(set(message) & {"token", "topic", "condition", "to",
-                                         "registration_ids", "tokens"})
-        if targets:
-            raise ValueError("push_multicast sends message to each token itself; leave %s out"
-                             " of message" % " and ".join(repr(t) for t in targets))
-        if isinstance(tokens, (str, bytes)):
-            raise TypeError("tokens must be an iterable of str, not one %s"
-                            % type(tokens).__name__)
-        _check_number("concurrency", concurrency, minimum=1, integer=True)
-        target = self._api.target
-
-        def to(token: object) -> _Exchange:
-            if not isinstance(token, str) or not token:
-                raise TypeError("every token must be a non-empty str, got %s"
-                                % type(token).__name__)
-            return self._exchange(dict(message, **{target: token}), False)
-
-        return self._batch(tokens, to, concurrency, progress)
+        make = self._requests.to_each(message, tokens, concurrency)
+        return self._batch(tokens, make, concurrency, progress)
 
     def subscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
         """Subscribe each token to ``topic``; one outcome per token, in order."""
@@ -4112,41 +4511,13 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        return "<andpush.Client %s %r>" % (self._api.name, self._route)
-
-    def _exchange(self, message: object, validate_only: bool) -> _Exchange:
-        """A push, checked and encoded (TypeError/ValueError for a bad message)."""
-        path, body, tokens = self._api.prepare(message, validate_only)
-        exchange = _Exchange(self._route, "POST", path, body, self._retry,
-                             signer=self._api.signer, headers=self._api.fixed_headers, paced=True)
-        exchange.tokens = tokens
-        return exchange
+        return self._requests.describe(self)
 
     def _manage_topic(self, method: str, tokens: Iterable[str], topic: str) -> List[Outcome]:
-        if not isinstance(topic, str):
-            raise TypeError("topic must be a str, got %s" % type(topic).__name__)
-        _check_topic(topic)
-        if isinstance(tokens, str):
-            raise TypeError("tokens must be a list of str, not one str")
-        tokens = list(tokens)
-        for token in tokens:
-            if not isinstance(token, str) or not token:
-                raise ValueError("every token must be a non-empty str")
-        base = self._api.project_path() + "/registrations/"
-        quoted_topic = urllib.parse.quote(topic, safe="")
-
-        def manage(token: str) -> _Exchange:
-            path = base + urllib.parse.quote(token, safe="") + "/topicSubscriptions"
-            if method == "POST":
-                path += "?topic_name=" + quoted_topic
-            else:
-                path += "/" + quoted_topic
-            return _Exchange(self._route, method, path, b"{}" if method == "POST" else b"",
-                             self._retry, signer=self._api.signer, paced=True)
-
-        concurrency = min(len(tokens), DEFAULT_CONCURRENCY) or 1
+        checked, manage = self._requests.topic_changes(method, tokens, topic)
+        concurrency = min(len(checked), DEFAULT_CONCURRENCY) or 1
         return [_already_subscribed(outcome)
-                for _, outcome in self._batch(tokens, manage, concurrency, None)]
+                for _, outcome in self._batch(checked, manage, concurrency, None)]
 
     def _batch(
         self,
@@ -4155,7 +4526,7 @@ class Client:
         concurrency: int,
         progress: Optional[Callable[[int, int], None]],
     ) -> "_Outcomes":
-        batch = _ThreadBatch(items, make, self._route, concurrency, progress)
+        batch = _ThreadBatch(items, make, self._requests.route, concurrency, progress)
         self._loop.add_batch(batch)
         threading.Thread(target=batch.feed, name="andpush-push_many", daemon=True).start()
         return _Outcomes(batch)
@@ -4204,6 +4575,167 @@ class _Outcomes(Iterator[Tuple[Any, Outcome]]):
         self._batch.discard()
 
 
+class AsyncClient:
+    """An FCM client for asyncio: the same requests, retries and outcomes as Client,
+    over asyncio connections kept alive for the client's life (HTTP/2 ones shared by
+    every task), with no thread.
+
+    Make one with ``andpush.new_async(...)``; it belongs to the event loop it is first
+    used on. Close it with ``await client.aclose()`` or ``async with``. A cancelled push
+    that was already sent may have been delivered.
+    """
+
+    def __init__(self, api: Union[_LegacyAPI, _V1API], loop: _AsyncLoop, route: _Route,
+                 retry: _Retry) -> None:
+        self._requests = _Requests(api, route, retry)
+        self._loop = loop
+        self._project_lock: Optional["asyncio.Lock"] = None
+
+    async def push(self, message: Dict[str, Any], *, validate_only: bool = False,
+                   timeout: Optional[float] = None) -> Response:
+        """Send one message; return the 2xx Response or raise an andpush.Error, as
+        ``Client.push``. Cancelled before it was sent, nothing is sent; after, its
+        request is abandoned (the message may have been delivered)."""
+        if not self._knows_project():
+            await self._find_project()
+        exchange = self._requests.push(message, validate_only, timeout)
+        outcome = await self._loop.run(exchange)
+        if isinstance(outcome, Response):
+            return outcome
+        raise outcome
+
+    def push_many(
+        self,
+        messages: Union[Iterable[Dict[str, Any]], AsyncIterable[Dict[str, Any]]],
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> AsyncIterator[Tuple[Any, Outcome]]:
+        """Send many messages at once; an async iterator of ``(message, outcome)`` pairs,
+        one per message in input order, as ``Client.push_many``.
+
+        ``messages`` is an iterable (read in the event loop, so it must not block) or an
+        async iterable. ``await outcomes.aclose()`` stops reading and returns the pairs
+        not yet yielded, once each message read has been answered; ``stop()`` stops
+        reading and lets the iteration go on to the last of them. Cancelling the task
+        that iterates, or dropping the iterator, stops reading and sends nothing more.
+        """
+        _check_number("concurrency", concurrency, minimum=1, integer=True)
+        make = self._requests.exchange
+        return self._batch(messages, lambda m: make(m, False), concurrency, progress)
+
+    def push_multicast(
+        self,
+        message: Dict[str, Any],
+        tokens: Union[Iterable[str], AsyncIterable[str]],
+        *,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        progress: Optional[Callable[[int, int], None]] = None,
+    ) -> AsyncIterator[Tuple[str, Outcome]]:
+        """Send ``message`` to each of ``tokens``, as ``Client.push_multicast``: an async
+        iterator of ``(token, outcome)`` pairs with push_many's ``aclose()`` and ``stop()``."""
+        make = self._requests.to_each(message, tokens, concurrency)
+        return self._batch(tokens, make, concurrency, progress)
+
+    async def subscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
+        """Subscribe each token to ``topic``; one outcome per token, in order."""
+        return await self._manage_topic("POST", tokens, topic)
+
+    async def unsubscribe(self, tokens: Iterable[str], topic: str) -> List[Outcome]:
+        """Unsubscribe each token from ``topic``; one outcome per token, in order."""
+        return await self._manage_topic("DELETE", tokens, topic)
+
+    async def aclose(self) -> None:
+        """Close the connections; requests under way end with a NetworkError, and the
+        client cannot send afterwards."""
+        await self._loop.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return self._requests.describe(self)
+
+    def _knows_project(self) -> bool:
+        api = self._requests.api
+        return isinstance(api, _LegacyAPI) or api.project_request() is None
+
+    async def _find_project(self) -> None:
+        """Ask the metadata server for the project id, once however many tasks need it,
+        when nothing given names it (the threaded client asks it in project_path)."""
+        import asyncio
+
+        self._loop.bind()
+        if self._project_lock is None:
+            self._project_lock = asyncio.Lock()
+        async with self._project_lock:
+            api = self._requests.api
+            request = api.project_request() if isinstance(api, _V1API) else None
+            if request is not None:
+                assert isinstance(api, _V1API)
+                api.project_answered(await self._loop.run(request))
+
+    async def _manage_topic(self, method: str, tokens: Iterable[str],
+                            topic: str) -> List[Outcome]:
+        if not self._knows_project():
+            await self._find_project()
+        checked, manage = self._requests.topic_changes(method, tokens, topic)
+        concurrency = min(len(checked), DEFAULT_CONCURRENCY) or 1
+        return [_already_subscribed(outcome)
+                async for _, outcome in self._batch(checked, manage, concurrency, None)]
+
+    def _batch(
+        self,
+        items: Union[Iterable[Any], AsyncIterable[Any]],
+        make: Callable[[Any], _Exchange],
+        concurrency: int,
+        progress: Optional[Callable[[int, int], None]],
+    ) -> "_AsyncOutcomes":
+        loop = self._loop.bind()
+        batch = _AsyncBatch(items, make, self._requests.route, concurrency, progress,
+                            self._find_project)
+        self._loop.add_batch(batch)
+        batch.start(loop)
+        return _AsyncOutcomes(batch)
+
+
+class _AsyncOutcomes(AsyncIterator[Tuple[Any, Outcome]]):
+    """What AsyncClient.push_many returns: ``(message, outcome)`` pairs in input order.
+
+    ``await aclose()`` stops reading the input and returns the pairs not yet yielded,
+    once every message already read has been answered; ``stop()`` stops reading and lets
+    the iteration go on to the last of them. Cancelling the consumer, or dropping the
+    iterator, stops reading and sends nothing more.
+    """
+
+    def __init__(self, batch: _AsyncBatch) -> None:
+        self._batch = batch
+
+    async def __anext__(self) -> Tuple[Any, Outcome]:
+        return await self._batch.next_pair()
+
+    @property
+    def taken(self) -> int:
+        """How many messages were read from the input: each has, or will have, a pair."""
+        return self._batch.taken()
+
+    def stop(self) -> None:
+        """Read no more messages; the iteration ends after the last one already read."""
+        self._batch.stop()
+
+    async def aclose(self) -> List[Tuple[Any, Outcome]]:
+        """Read no more messages, and return the pairs not yet yielded: those of every
+        message already read, each sent and answered (within the request timeout)."""
+        self._batch.stop()
+        return await self._batch.rest()
+
+    def __del__(self) -> None:
+        self._batch.discard()
+
+
 def new(
     server_key: Optional[str] = None,
     *,
@@ -4231,27 +4763,64 @@ def new(
     client offers HTTP/2 by ALPN (on ``ssl_context`` too) and multiplexes every request
     over few connections when the server accepts; ``http2=False`` keeps to HTTP/1.1.
     """
+    loop, api, route, retry = _setup(_Loop, dict(locals()))
+    assert isinstance(loop, _Loop)
+    return Client(api, loop, route, retry)
+
+build = new
+
+
+def new_async(
+    server_key: Optional[str] = None,
+    *,
+    credentials: Union[None, str, "os.PathLike[str]", Dict[str, Any]] = None,
+    project_id: Optional[str] = None,
+    access_token: Union[None, str, Callable[[], str]] = None,
+    endpoint: str = DEFAULT_ENDPOINT,
+    ssl_context: Optional[ssl.SSLContext] = None,
+    timeout: Union[None, float, Tuple[float, float]] = None,
+    pool_size: int = DEFAULT_POOL_SIZE,
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT,
+    proxy: Optional[str] = None,
+    max_retries: int = DEFAULT_MAX_RETRIES,
+    backoff_factor: float = DEFAULT_BACKOFF_FACTOR,
+    rate_limit: Optional[float] = None,
+    http2: bool = True,
+) -> AsyncClient:
+    """Create an asyncio client, with exactly the options of ``new``. It may be made
+    outside the event loop; it belongs to the loop it is first used on."""
+    loop, api, route, retry = _setup(_AsyncLoop, dict(locals()))
+    assert isinstance(loop, _AsyncLoop)
+    return AsyncClient(api, loop, route, retry)
+
+
+def _setup(
+    driver: Union[Type[_Loop], Type[_AsyncLoop]], options: Dict[str, Any]
+) -> Tuple[_Engine, Union[_LegacyAPI, _V1API], _Route, _Retry]:
+    """The engine, API, route and retry of a client made with ``new``'s ``options``."""
+    ssl_context = options["ssl_context"]
     if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
         raise TypeError("ssl_context must be an ssl.SSLContext")
-    connect_timeout, read_timeout = _timeouts(timeout)
-    _check_number("pool_size", pool_size, minimum=1, integer=True)
-    _check_number("keep_alive_timeout", keep_alive_timeout, minimum=0)
-    _check_number("max_retries", max_retries, minimum=0, integer=True)
-    _check_number("backoff_factor", backoff_factor, minimum=0)
-    if rate_limit is not None:
-        _check_number("rate_limit", rate_limit, minimum=0, exclusive=True)
+    connect_timeout, read_timeout = _timeouts(options["timeout"])
+    _check_number("pool_size", options["pool_size"], minimum=1, integer=True)
+    _check_number("keep_alive_timeout", options["keep_alive_timeout"], minimum=0)
+    _check_number("max_retries", options["max_retries"], minimum=0, integer=True)
+    _check_number("backoff_factor", options["backoff_factor"], minimum=0)
+    if options["rate_limit"] is not None:
+        _check_number("rate_limit", options["rate_limit"], minimum=0, exclusive=True)
+    endpoint = options["endpoint"]
     if _Origin(endpoint, None).scheme != "https":
         raise ValueError("endpoint must use https://, got %r" % endpoint)
     context = ssl_context or ssl.create_default_context()
-    if http2:
+    if options["http2"]:
         context.set_alpn_protocols(["h2", "http/1.1"])
-    loop = _Loop(context, connect_timeout, read_timeout, keep_alive_timeout, proxy,
-                 _Policy(rate_limit, _Clock()))
-    api = _api(server_key, credentials, project_id, access_token, loop)
-    retry = _Retry(max_retries, backoff_factor, may_refresh=api.refreshable)
-    return Client(api, loop, loop.route(endpoint, pool_size), retry)
-
-build = new
+    loop = driver(context, connect_timeout, read_timeout, options["keep_alive_timeout"],
+                  options["proxy"], _Policy(options["rate_limit"], _Clock()))
+    api = _api(options["server_key"], options["credentials"], options["project_id"],
+               options["access_token"], loop)
+    retry = _Retry(options["max_retries"], options["backoff_factor"],
+                   may_refresh=api.refreshable)
+    return loop, api, loop.route(endpoint, options["pool_size"]), retry
 
 
 def _api(
@@ -4748,12 +5317,12 @@ def _about_option(message: str, args: "argparse.Namespace") -> str:
 
 
 def _is_legacy(client: Client) -> bool:
-    return isinstance(client._api, _LegacyAPI)
+    return isinstance(client._requests.api, _LegacyAPI)
 
 
 def _check_ready(client: Client, message: Optional[Dict[str, Any]] = None) -> None:
     """Fail before the first send when no access token comes, or the message is wrong."""
-    api = client._api
+    api = client._requests.api
     if isinstance(api, _V1API):
         api.headers()
     if message is not None:
@@ -5089,7 +5658,7 @@ def _cmd_topic(args: "argparse.Namespace") -> int:
 
 def _cmd_token(args: "argparse.Namespace") -> int:
     with _client(args) as client:
-        api = client._api
+        api = client._requests.api
         if not isinstance(api, _V1API):
             raise _Failure("the legacy API has no access tokens, only the server key; give "
                            "--credentials (or use Application Default Credentials)")
@@ -5099,7 +5668,7 @@ def _cmd_token(args: "argparse.Namespace") -> int:
 
 def _cmd_check(args: "argparse.Namespace") -> int:
     with _client(args) as client:
-        api = client._api
+        api = client._requests.api
         if isinstance(api, _V1API):
             api.headers()
             print("credentials   ok: got an access token")

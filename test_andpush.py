@@ -4157,7 +4157,8 @@ class TokenTest(V1TestCase):
         with self.assertLogs("andpush", "DEBUG") as logs:
             client = self.v1_client()
             client.push(V1_MESSAGE)
-            text = " ".join([repr(client), repr(client._api._tokens.credentials)] + logs.output)
+            credentials = client._requests.api._tokens.credentials
+            text = " ".join([repr(client), repr(credentials)] + logs.output)
         key_body = TEST_RSA_KEY_PKCS8_PEM.splitlines()[1]
         for secret in [self.server.issued[0], key_body, TOKEN]:
             self.assertNotIn(secret, text)
@@ -4755,8 +4756,11 @@ class ManualTest(unittest.TestCase):
         self.assertLess(len(self.manual().splitlines()), self.MAX_LINES)
 
     def test_it_shows_no_private_names(self) -> None:
-        # Client's constructor is wiring that new() does: its parameters are internal types.
-        wiring = set(self.PRIVATE_NAME.findall(str(inspect.signature(andpush.Client.__init__))))
+        # The clients' constructors are wiring that new() and new_async() do: their
+        # parameters are internal types.
+        wiring = set(self.PRIVATE_NAME.findall(
+            str(inspect.signature(andpush.Client.__init__))
+            + str(inspect.signature(andpush.AsyncClient.__init__))))
         self.assertEqual(set(self.PRIVATE_NAME.findall(self.manual())) - wiring, set())
 
     def test_it_lists_only_the_public_names_once_each(self) -> None:
