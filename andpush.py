@@ -2184,10 +2184,12 @@ class _Engine:
                 self._start(link, exchange, headers)
 
     def _link_for(self, route: _Route) -> Optional[_Link]:
-        for h2 in route.h2:
-            if h2.conn.free_streams:
-                return h2
         now = self.policy.clock.now()
+        for h2 in list(route.h2):
+            if not h2.conn.streams and now - h2.idle_since > self._keep_alive_timeout:
+                self._drop(h2)  # idle too long: replaced rather than reused
+            elif h2.conn.free_streams:
+                return h2
         while route.idle:
             link = route.idle[-1]
             if not link.reused or now - link.idle_since < self._keep_alive_timeout:
@@ -2463,13 +2465,17 @@ class _Engine:
 
 
 class _Loop(_Engine):
-    """The engine's thread driver: one I/O thread per client and process, started when
-    there is work, ending when nothing is left (no request, no open connection).
+    """The engine's thread driver: a selector over non-blocking sockets, run by one
+    thread at a time, and only while there is work.
 
-    It waits on a selector over non-blocking sockets; each new connection is set up on a
-    short-lived thread of its own, several at once, so no handshake stalls the others.
-    Other threads hand it exchanges with ``submit`` or ``run``; a forked child starts a
-    thread of its own.
+    A thread waiting in ``run`` runs the loop itself when no other thread does (so a push
+    made alone crosses no thread), until its own exchange ends; other threads hand their
+    exchanges to whoever runs it. If work is left when that caller's exchange ends (others'
+    requests, a push_many), a background I/O thread takes over until none is left. Idle
+    connections wait for the next request, which first reads what they received (a GOAWAY,
+    a close) and replaces those idle too long. Each new connection is set up on a
+    short-lived thread of its own, several at once, so no handshake stalls the others. A
+    forked child starts afresh.
     """
 
     def __init__(self, ssl_context: ssl.SSLContext, connect_timeout: float,
@@ -2478,13 +2484,14 @@ class _Loop(_Engine):
         super().__init__(connect_timeout, read_timeout, keep_alive_timeout, proxy, policy)
         self._ssl_context = ssl_context
         self._lock = threading.Lock()
+        self._runner_left = threading.Condition(self._lock)
         self._inbox: List[Callable[[], None]] = []
-        self._thread: Optional[threading.Thread] = None
+        self._thread: Optional[threading.Thread] = None  # the thread running the loop now
         self._pid = os.getpid()
         self._closed = False
-        self._selector: selectors.BaseSelector     # these three live while the thread does
-        self._wake_r: socket.socket
-        self._wake_w: socket.socket
+        self._selector: Optional[selectors.BaseSelector] = None  # while connections are open
+        self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
 
     # Any thread -------------------------------------------------------------------
 
@@ -2493,13 +2500,15 @@ class _Loop(_Engine):
         self._post(lambda: self._begin_all(exchanges))
 
     def run(self, exchange: _Exchange) -> Outcome:
-        """Start ``exchange`` and wait for its outcome (every wait in the loop has a deadline)."""
+        """Start ``exchange`` and wait for its outcome, running the loop meanwhile if no
+        other thread does (every wait in the loop has a deadline)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("andpush's I/O thread cannot wait for itself")
         done = threading.Lock()
         done.acquire()
         exchange.on_done = lambda _: done.release()  # once, with the outcome
-        self.submit([exchange])
+        if self._post(lambda: self._begin(exchange), lead=True):
+            self._lead(exchange)
         done.acquire()
         assert exchange.outcome is not None
         return exchange.outcome
@@ -2509,33 +2518,41 @@ class _Loop(_Engine):
         self._post(lambda: self._add_batch(batch))
 
     def wake(self) -> None:
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
+        wake_w = self._wake_w
+        if wake_w is not None:
+            with contextlib.suppress(OSError):
+                wake_w.send(b"\0")
 
     def close(self) -> None:
         """End every connection; requests still under way end with a NetworkError."""
         if self._pid != os.getpid():
             self._lock = threading.Lock()  # the parent's thread may have held it at the fork
+            self._runner_left = threading.Condition(self._lock)
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            thread = self._thread if self._pid == os.getpid() else None
-        if thread is not None and thread is not threading.current_thread():
-            self.wake()
-            thread.join(self._connect_timeout)
+            if self._pid != os.getpid():
+                self._forked()
+            runner = self._thread
+            if runner is None:
+                self._thread = threading.current_thread()  # ends it all itself, at once
+            elif runner is not threading.current_thread():
+                self._wake()
+                deadline = time.monotonic() + self._connect_timeout
+                while self._thread is not None and time.monotonic() < deadline:
+                    self._runner_left.wait(deadline - time.monotonic())
+        if runner is None:
+            self._abandon("the client was closed")
+            with self._lock:
+                self._park()
 
-    @staticmethod
-    def _wake_pair() -> Tuple[socket.socket, socket.socket]:
-        """Two connected sockets: a byte written to the second wakes the selector."""
-        reader, writer = socket.socketpair()
-        reader.setblocking(False)
-        writer.setblocking(False)
-        return reader, writer
-
-    def _post(self, work: Callable[[], None]) -> None:
+    def _post(self, work: Callable[[], None], lead: bool = False) -> bool:
+        """Hand ``work`` to the thread running the loop; with none running, the caller
+        becomes it if it may ``lead`` (and True is returned), else a new thread does."""
         if self._pid != os.getpid():
             self._lock = threading.Lock()  # the parent's thread may have held it at the fork
+            self._runner_left = threading.Condition(self._lock)
         with self._lock:
             if self._closed:
                 raise ValueError("the client is closed; create a new one")
@@ -2544,28 +2561,55 @@ class _Loop(_Engine):
             woken = bool(self._inbox)  # the loop was woken for what waits there already
             self._inbox.append(work)
             if self._thread is None:
-                self._start_thread()
-                return
-        if not woken:
-            self.wake()
+                self._take_over(lead)
+                return lead
+            if not woken:
+                self._wake()
+        return False
 
-    def _start_thread(self) -> None:
-        """A new selector and wake pair, and the thread that uses them (the lock is held)."""
-        self._wake_r, self._wake_w = self._wake_pair()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._thread = threading.Thread(target=self._run, name="andpush-io", daemon=True)
-        self._thread.start()
+    def _wake(self) -> None:
+        """Wake the selector (the lock is held, so it stays open meanwhile)."""
+        assert self._wake_w is not None
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _take_over(self, lead: bool) -> None:
+        """Make the caller (``lead``) or a new thread the one running the loop (the lock
+        is held); the selector and its wake pair are made if they are not there."""
+        if self._selector is None:
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._wake_r.setblocking(False)
+            self._wake_w.setblocking(False)
+            self._selector = selectors.DefaultSelector()
+            self._selector.register(self._wake_r, selectors.EVENT_READ)
+        if lead:
+            self._thread = threading.current_thread()
+        else:
+            self._thread = threading.Thread(target=self._run, name="andpush-io", daemon=True)
+            self._thread.start()
+
+    def _park(self) -> None:
+        """The running thread leaves the loop (the lock is held): idle connections stay
+        open for the next request; with none open, the selector goes too."""
+        self._thread = None
+        self._runner_left.notify_all()
+        if self._selector is not None and (
+                self._closed or not any(route.connections() for route in self._routes)):
+            assert self._wake_r is not None and self._wake_w is not None
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
+            self._selector = self._wake_r = self._wake_w = None
 
     def _forked(self) -> None:
         """In a child process: drop the parent's connections (the fds only: nothing is
         sent, the parent's stay open) and its thread, which did not survive the fork."""
         log.debug("process forked: closing this process's copies of the parent's sockets")
-        if self._thread is not None:
+        if self._selector is not None:
             for key in list(self._selector.get_map().values()):
                 key.fileobj.close()  # type: ignore[union-attr]
             self._selector.close()
-            self._wake_w.close()
+            self._selector = self._wake_r = self._wake_w = None
         for route in self._routes:
             route.reset()
         self._batches, self._timers, self._needs_token, self._refreshing = [], [], [], []
@@ -2573,53 +2617,94 @@ class _Loop(_Engine):
         self._thread = None
         self._pid = os.getpid()
 
-    # The loop's own thread ------------------------------------------------------
+    # The thread running the loop ----------------------------------------------------
+
+    def _lead(self, exchange: _Exchange) -> None:
+        """Run the loop on the caller's thread until its exchange ends; then hand what
+        is left to a background thread, or leave the loop parked."""
+        try:
+            self._poll()
+            while exchange.outcome is None and self._step(exchange):
+                pass
+        except BaseException as exc:  # a bug, or Ctrl-C: no exchange held may lose its outcome
+            self._crashed(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        with self._lock:
+            if self._thread is not threading.current_thread():
+                return  # the loop parked in its last step (closed)
+            if self._inbox or self._has_work():
+                self._thread = threading.Thread(target=self._run, name="andpush-io",
+                                                daemon=True)
+                self._thread.start()
+            else:
+                self._park()
 
     def _run(self) -> None:
-        selector, wake_r, wake_w = self._selector, self._wake_r, self._wake_w
         try:
+            self._poll()
             while self._step():
                 pass
         except BaseException as exc:  # a bug: no exchange it held may go without an outcome
-            log.exception("andpush's I/O loop failed; its requests end with NetworkError")
-            self._abandon("andpush's I/O loop failed: %s" % _reason(exc))
-            with self._lock:
-                self._thread = None
-                if self._inbox and not self._closed:
-                    self._start_thread()  # what came meanwhile goes to a new loop
-        finally:
-            selector.close()
-            wake_r.close()
-            wake_w.close()
+            self._crashed(exc)
 
-    def _step(self) -> bool:
+    def _crashed(self, exc: BaseException) -> None:
+        log.exception("andpush's I/O loop failed; its requests end with NetworkError")
+        self._abandon("andpush's I/O loop failed: %s" % _reason(exc))
+        with self._lock:
+            self._park()
+            if self._inbox and not self._closed:
+                self._take_over(lead=False)  # what came meanwhile goes to a new thread
+
+    def _has_work(self) -> bool:
+        """Whether anything but idle connections is left: requests, batches, timers."""
+        return bool(self._timers or self._batches or self._needs_token or self._dirty or any(
+            route.waiting or route.connecting or route.busy
+            or any(h2.conn.streams for h2 in route.h2) for route in self._routes))
+
+    def _poll(self) -> None:
+        """Handle what the connections received while no thread ran the loop."""
+        assert self._selector is not None
+        self._dispatch(self._selector.select(0))
+
+    def _step(self, mine: Optional[_Exchange] = None) -> bool:
         """One turn: take new work, do what is due, wait for the sockets, read and write.
-        False when the loop is done (closed, or nothing left to do)."""
+        False when the loop parks (closed, or nothing left but idle connections). A
+        caller running the loop for ``mine`` does not wait once it has ended."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
             closed = self._closed
-            if not closed and not inbox and self._is_idle():
-                self._thread = None
+            if not closed and not inbox and not self._has_work():
+                self._park()
                 return False
         for work in inbox:  # on close too: a socket just connected is in there
             work()
         if closed:
             self._abandon("the client was closed")
+            with self._lock:
+                self._park()
             return False
         timeout = self._turn(self.policy.clock.now())
-        if timeout is None and self._is_idle():
-            timeout = 0.0  # the next step ends the thread, unless work came meanwhile
-        for key, events in self._selector.select(timeout):
+        if mine is not None and mine.outcome is not None:
+            return True
+        if not self._has_work():
+            timeout = 0.0  # the next step parks, unless work came meanwhile
+        assert self._selector is not None
+        self._dispatch(self._selector.select(timeout))
+        return True
+
+    def _dispatch(self, ready: List[Tuple[selectors.SelectorKey, int]]) -> None:
+        for key, events in ready:
             if key.data is None:
                 with contextlib.suppress(OSError):
-                    self._wake_r.recv(4096)
+                    key.fileobj.recv(4096)  # type: ignore[union-attr]
                 continue
             link = key.data
             if events & selectors.EVENT_WRITE:
                 self._write(link)
             if events & selectors.EVENT_READ:
                 self._read(link)
-        return True
 
     def _open(self, route: _Route) -> None:
         threading.Thread(target=self._connect, args=(route,), name="andpush-connect",
@@ -2645,9 +2730,14 @@ class _Loop(_Engine):
         except ValueError:  # the client was closed meanwhile
             sock.close()
 
+    def _sel(self) -> selectors.BaseSelector:
+        """The selector, which is there while a thread runs the loop."""
+        assert self._selector is not None
+        return self._selector
+
     def _watch(self, link: _Link) -> None:
         link.carrier.setblocking(False)
-        self._selector.register(link.carrier, selectors.EVENT_READ, link)
+        self._sel().register(link.carrier, selectors.EVENT_READ, link)
 
     def _send(self, link: _Link) -> None:
         self._write(link)
@@ -2657,7 +2747,7 @@ class _Loop(_Engine):
         with contextlib.suppress(OSError, *_WOULD_BLOCK):
             sock.send(link.pending()[:_WRITE_SIZE])
         with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(sock)
+            self._sel().unregister(sock)
         sock.close()
 
     def _write(self, link: _Link) -> None:
@@ -2675,8 +2765,8 @@ class _Loop(_Engine):
             self._lost(link, "the connection broke: %s" % _reason(exc))
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if out else 0)
-        if events != self._selector.get_key(sock).events:
-            self._selector.modify(sock, events, link)
+        if events != self._sel().get_key(sock).events:
+            self._sel().modify(sock, events, link)
 
     def _read(self, link: _Link) -> None:
         """Read and handle all the socket has (a TLS record may hold several frames)."""
@@ -3038,9 +3128,11 @@ class _Batch:
     def ready(self) -> List[_Exchange]:
         """The prepared exchanges that may start now, within ``concurrency``."""
         with self._lock:
-            if self._discarded:  # taken from the input, never sent: nobody waits for them
+            if self._discarded:  # taken from the input, never to be sent
                 for exchange in self._prepared:
-                    del self._items_out[exchange.index]
+                    self._store(exchange.index, self._items_out.pop(exchange.index),
+                                NetworkError("not sent: push_many was stopped",
+                                             may_have_been_delivered=False))
                 self._prepared.clear()
                 return []
             room = self.concurrency - self._in_flight
