@@ -62,6 +62,7 @@ import re
 import selectors
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -1322,6 +1323,8 @@ _H2_DEFAULT_WINDOW = 65535    # what RFC 9113 starts every window at
 _H2_FRAME = 16384             # the largest frame we accept (the default; we never raise it)
 _H2_HEADER_TABLE = 4096       # the dynamic table we decode, whatever we advertise (we say 0)
 _H2_BLOCK_CACHE = 64          # request header blocks a connection remembers
+_H2_LENGTH_CACHE = 1024       # content-length fields remembered, by length
+_H2_ANSWER_CACHE = 64         # response header blocks a connection remembers, interpreted
 _H2_LAST_STREAM = (1 << 31) - 1
 # What we tell the server first: no dynamic table, no server push, large stream windows.
 _H2_SETTINGS = ((_SETTINGS_HEADER_TABLE_SIZE, 0), (_SETTINGS_ENABLE_PUSH, 0),
@@ -1342,21 +1345,38 @@ class _H2Stream:
     __slots__ = ("id", "key", "pending", "send_window", "status", "headers", "body",
                  "deadline", "first_byte")
 
-    def __init__(self, stream_id: int, key: object, deadline: float) -> None:
+    def __init__(self, stream_id: int, key: object, deadline: float, send_window: int,
+                 first_byte: int) -> None:
         self.id = stream_id
         self.key = key
         self.pending = b""                 # DATA not yet queued for want of window
-        self.send_window = 0
+        self.send_window = send_window
         self.status = 0
-        self.headers: Dict[str, str] = {}
-        self.body = bytearray()
+        self.headers = _NO_HEADERS         # those of the final answer, once it came
+        self.body: Union[bytes, bytearray] = b""
         self.deadline = deadline
-        self.first_byte = 0                # where the stream starts in the connection's output
+        self.first_byte = first_byte       # where the stream starts in the connection's output
+
+
+_CONTENT_LENGTH_FIELDS = {}  # type: Dict[int, bytes]
+
+
+def _content_length_field(length: int) -> bytes:
+    """The HPACK field ``content-length: <length>``, remembered for the next request."""
+    field = _hpack_encode_field("content-length", str(length))
+    if len(_CONTENT_LENGTH_FIELDS) >= _H2_LENGTH_CACHE:
+        _CONTENT_LENGTH_FIELDS.clear()
+    _CONTENT_LENGTH_FIELDS[length] = field
+    return field
+
+
+# A frame's 9-octet header: length (24 bits) and type in one word, flags, stream id.
+_FRAME_HEAD = struct.Struct(">IBI")
+_NO_HEADERS = Headers({})
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
-            + stream_id.to_bytes(4, "big") + payload)
+    return _FRAME_HEAD.pack(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
 class _H2Connection:
@@ -1386,8 +1406,9 @@ class _H2Connection:
             _WINDOW_UPDATE, 0, 0, (_H2_WINDOW - _H2_DEFAULT_WINDOW).to_bytes(4, "big")))
         self._written = 0                  # bytes of output written, ever
         self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
-        self._blocks: Dict[Tuple[Any, ...], bytes] = {}
+        self._blocks: Dict[Tuple[Any, ...], Tuple[bytes, bytes]] = {}
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
+        self._answers: Dict[Tuple[Tuple[str, str], ...], Tuple[int, Headers]] = {}
         self.streams: Dict[int, _H2Stream] = {}   # in the order started
         self.finished: List[Tuple[object, Union[Response, Exception]]] = []
         self._next_id = 1
@@ -1414,38 +1435,59 @@ class _H2Connection:
         """Queue a request as a new stream and return its id; ``key`` names its outcome."""
         if not self.free_streams:
             raise RuntimeError("no stream may start on this connection (%s)" % self.state)
-        stream = _H2Stream(self._next_id, key, deadline)
-        self._next_id += 2
-        stream.first_byte = self._written + len(self.outgoing)
-        stream.send_window = self._peer_initial_window
-        self._queue_headers(stream.id, self._header_block_for(method, path, headers, len(body)),
-                            end_stream=not body)
-        self.streams[stream.id] = stream
-        self._earliest = min(self._earliest, deadline)
-        stream.pending = body
-        self._send_data(stream)
-        return stream.id
+        head, tail = self._header_parts(method, path, headers)
+        length = len(body)
+        content_length = _CONTENT_LENGTH_FIELDS.get(length) or _content_length_field(length)
+        stream_id = self._next_id
+        self._next_id = stream_id + 2
+        stream = _H2Stream(stream_id, key, deadline, self._peer_initial_window,
+                           self._written + len(self.outgoing))
+        self.streams[stream_id] = stream
+        if deadline < self._earliest:
+            self._earliest = deadline
+        block_size = len(head) + len(content_length) + len(tail)
+        if block_size <= self._peer_frame and length <= min(
+                self._peer_frame, self._peer_window, stream.send_window):
+            # The usual request: one HEADERS frame and at most one DATA frame, joined once.
+            if body:
+                self.outgoing += b"".join((
+                    _FRAME_HEAD.pack(block_size << 8 | _HEADERS, _END_HEADERS, stream_id),
+                    head, content_length, tail,
+                    _FRAME_HEAD.pack(length << 8 | _DATA, _END_STREAM, stream_id), body))
+                self._peer_window -= length
+                stream.send_window -= length
+            else:
+                self.outgoing += b"".join((_FRAME_HEAD.pack(
+                    block_size << 8 | _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
+                    head, content_length, tail))
+        else:
+            self._queue_headers(stream_id, head + content_length + tail, end_stream=not body)
+            stream.pending = body
+            self._send_data(stream)
+        return stream_id
 
     def cancel(self, stream_id: int) -> None:
         """Give up on a stream without an outcome (its sender no longer waits)."""
         if self.streams.pop(stream_id, None) is not None:
             self.outgoing += _frame(_RST_STREAM, 0, stream_id, _CANCEL.to_bytes(4, "big"))
 
-    def _header_block_for(self, method: str, path: str, headers: Dict[str, str],
-                          length: int) -> bytes:
-        """The HPACK block of a request; the same few recur, so they are remembered."""
-        key = (method, path, length, *headers.items())
-        block = self._blocks.get(key)
-        if block is None:
-            fields = [(":method", method), (":scheme", self._scheme),
-                      (":authority", self._authority), (":path", path),
-                      ("user-agent", _USER_AGENT), ("content-length", str(length))]
-            fields.extend((name.lower(), value) for name, value in headers.items())
-            block = _hpack_encode(fields)
+    def _header_parts(self, method: str, path: str,
+                      headers: Dict[str, str]) -> Tuple[bytes, bytes]:
+        """A request's HPACK block before and after its content-length field.
+
+        The same few recur whatever the body's length, so they are remembered.
+        """
+        key = (method, path, *headers.items())
+        parts = self._blocks.get(key)
+        if parts is None:
+            parts = (_hpack_encode([(":method", method), (":scheme", self._scheme),
+                                    (":authority", self._authority), (":path", path),
+                                    ("user-agent", _USER_AGENT)]),
+                     _hpack_encode([(name.lower(), value) for name, value in headers.items()]))
             if len(self._blocks) >= _H2_BLOCK_CACHE:
                 self._blocks.clear()
-            self._blocks[key] = block
-        return block
+            self._blocks[key] = parts
+        return parts
 
     def _queue_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
         first, rest = block[:self._peer_frame], block[self._peer_frame:]
@@ -1481,21 +1523,26 @@ class _H2Connection:
         Raises _H2Error when the server broke the protocol; call ``abort`` then.
         """
         buffer = self._in
-        buffer += data
+        if buffer:
+            buffer += data
+            data = bytes(buffer)
+        elif type(data) is not bytes:
+            data = bytes(data)  # so that each payload is one copy, and a header block hashable
         offset = 0
-        end = len(buffer)
+        end = len(data)
+        unpack = _FRAME_HEAD.unpack_from
         while end - offset >= 9:
-            length = int.from_bytes(buffer[offset:offset + 3], "big")
+            head, flags, stream_id = unpack(data, offset)
+            length = head >> 8
             if length > _H2_FRAME:
                 raise _H2Error("a frame of %d bytes" % length, _FRAME_SIZE_ERROR)
-            if end - offset < 9 + length:
+            stop = offset + 9 + length
+            if stop > end:
                 break
-            kind, flags = buffer[offset + 3], buffer[offset + 4]
-            stream_id = int.from_bytes(buffer[offset + 5:offset + 9], "big") & _H2_LAST_STREAM
-            payload = bytes(buffer[offset + 9:offset + 9 + length])
-            offset += 9 + length
-            self._on_frame(kind, flags, stream_id, payload)
-        del buffer[:offset]
+            payload = data[offset + 9:stop]
+            offset = stop
+            self._on_frame(head & 0xFF, flags, stream_id & _H2_LAST_STREAM, payload)
+        buffer[:] = data[offset:]
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != _CONTINUATION:
@@ -1532,7 +1579,12 @@ class _H2Connection:
             if not payload or payload[0] >= len(payload):
                 raise _H2Error("bad padding")
             payload = payload[1:len(payload) - payload[0]]
-        stream.body += payload
+        if not stream.body:
+            stream.body = payload  # the whole body, usually: kept without a copy
+        else:
+            if not isinstance(stream.body, bytearray):
+                stream.body = bytearray(stream.body)
+            stream.body += payload
         if len(stream.body) > _MAX_BODY:
             self._reset(stream, NetworkError(
                 "response body exceeds %d bytes" % _MAX_BODY, may_have_been_delivered=True))
@@ -1542,6 +1594,10 @@ class _H2Connection:
     def _on_header_fragment(self, kind: int, flags: int, stream_id: int,
                             payload: bytes) -> None:
         if kind == _HEADERS:
+            if flags & (_END_HEADERS | _PADDED | _PRIORITY_FLAG) == _END_HEADERS:
+                # The usual block, whole in one frame (which is smaller than _MAX_HEAD).
+                self._on_headers(stream_id, bool(flags & _END_STREAM), payload)
+                return
             if flags & _PADDED:
                 if not payload or payload[0] >= len(payload):
                     raise _H2Error("bad padding")
@@ -1569,19 +1625,38 @@ class _H2Connection:
         if stream is None:
             return
         if not stream.status:
-            status = dict(fields).get(":status", "")
-            if not (len(status) == 3 and _is_digits(status)):
+            answer = self._answers.get(fields) or self._answer(fields)
+            status, headers = answer
+            if status < 0:
                 self._reset(stream, NetworkError("the server answered without a valid :status",
                                                  may_have_been_delivered=True))
                 return
-            if status[0] != "1":
-                stream.status = int(status)
-                for name, value in fields:
-                    if not name.startswith(":"):  # a name may be empty
-                        old = stream.headers.get(name)
-                        stream.headers[name] = value if old is None else old + ", " + value
+            if status // 100 != 1:
+                stream.status = status
+                stream.headers = headers
         if end_stream:
             self._complete(stream)
+
+    def _answer(self, fields: Tuple[Tuple[str, str], ...]) -> Tuple[int, Headers]:
+        """The status (-1 if none is valid) and Headers a block's fields stand for.
+
+        Servers repeat themselves, so these are remembered, and answers alike share one
+        Headers: it cannot be changed.
+        """
+        status = dict(fields).get(":status", "")
+        items: Dict[str, str] = {}
+        if not (len(status) == 3 and _is_digits(status)):
+            answer = (-1, _NO_HEADERS)
+        else:
+            for name, value in fields:
+                if not name.startswith(":"):  # a name may be empty
+                    old = items.get(name)
+                    items[name] = value if old is None else old + ", " + value
+            answer = (int(status), Headers(items))
+        if len(self._answers) >= _H2_ANSWER_CACHE:
+            self._answers.clear()
+        self._answers[fields] = answer
+        return answer
 
     def _on_reset(self, stream_id: int, payload: bytes) -> None:
         if stream_id not in self.streams:
@@ -1653,7 +1728,7 @@ class _H2Connection:
             self._reset(stream, NetworkError("the server ended the stream without a :status",
                                              may_have_been_delivered=True))
             return
-        response = Response(stream.status, "", Headers(stream.headers), bytes(stream.body))
+        response = Response(stream.status, "", stream.headers, bytes(stream.body))
         self._finish(stream.id, response)
 
     def _finish(self, stream_id: int, outcome: Union[Response, Exception]) -> None:
