@@ -3143,6 +3143,33 @@ class H2ConnectionTest(H2TestCase):
         (headers,) = self.sent(conn)
         self.assertEqual(headers[:3], (H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 3))
 
+    def test_each_request_carries_its_own_length_and_headers(self) -> None:
+        conn = self.open()
+        decoder = _HPACKDecoder(0)
+        for stream_id, (token, body) in zip(range(1, 100, 2), [
+                ("a", b"{}"), ("a", b"[1, 2]"), ("b", b"{}"), ("a", b"{}"), ("b", b"")]):
+            conn.start("POST", "/p", {"Authorization": "Bearer " + token}, body, token, 1e9)
+            frames = self.sent(conn)
+            fields = dict(decoder.decode(frames[0][3]))
+            self.assertEqual((fields["content-length"], fields["authorization"], fields[":path"]),
+                             (str(len(body)), "Bearer " + token, "/p"))
+            self.assertEqual([(kind, stream) for kind, _, stream, _ in frames],
+                             [(H2_HEADERS, stream_id)] + [(H2_DATA, stream_id)] * bool(body))
+            self.assertEqual(b"".join(f[3] for f in frames[1:]), body)
+
+    def test_answers_alike_are_read_alike_and_others_afresh(self) -> None:
+        conn = self.open()
+        answers = [("200", (("x-a", "1"), ("x-a", "2"))), ("200", (("x-a", "1"), ("x-a", "2"))),
+                   ("200", (("x-a", "3"),)), ("201", (("x-a", "3"),)), ("2000", ())]
+        for stream_id, (status, headers) in zip(range(1, 100, 2), answers):
+            self.start(conn, stream_id)
+            conn.receive(h2_answer(stream_id, status, b"{}", headers))
+        outcomes = [outcome for _, outcome in conn.finished]
+        self.assertEqual([(r.status_code, dict(r.headers)) for r in outcomes[:4]], [
+            (200, {"x-a": "1, 2"}), (200, {"x-a": "1, 2"}), (200, {"x-a": "3"}),
+            (201, {"x-a": "3"})])
+        self.assertIsInstance(outcomes[4], andpush.NetworkError)
+
     def test_response_over_headers_continuation_and_data_frames(self) -> None:
         block = _hpack_encode([(":status", "200"), ("content-type", "application/json"),
                                ("x-a", "1"), ("x-a", "2")])
