@@ -1551,6 +1551,9 @@ class _H2Connection:
             raise _H2Error("the server's first frame was not SETTINGS")
         if kind == _DATA:
             self._on_data(flags, stream_id, payload)
+        elif kind == _HEADERS and flags & (_END_HEADERS | _PADDED | _PRIORITY_FLAG) == _END_HEADERS:
+            # The usual block, whole in one frame (which is smaller than _MAX_HEAD).
+            self._on_headers(stream_id, bool(flags & _END_STREAM), payload)
         elif kind in (_HEADERS, _CONTINUATION):
             self._on_header_fragment(kind, flags, stream_id, payload)
         elif kind == _RST_STREAM:
@@ -1594,10 +1597,6 @@ class _H2Connection:
     def _on_header_fragment(self, kind: int, flags: int, stream_id: int,
                             payload: bytes) -> None:
         if kind == _HEADERS:
-            if flags & (_END_HEADERS | _PADDED | _PRIORITY_FLAG) == _END_HEADERS:
-                # The usual block, whole in one frame (which is smaller than _MAX_HEAD).
-                self._on_headers(stream_id, bool(flags & _END_STREAM), payload)
-                return
             if flags & _PADDED:
                 if not payload or payload[0] >= len(payload):
                     raise _H2Error("bad padding")
