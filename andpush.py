@@ -3501,6 +3501,7 @@ _COLOR = re.compile(r"#[0-9a-fA-F]{6}\Z")
 _ANALYTICS_LABEL = re.compile(r"[a-zA-Z0-9\-_.~%]{1,50}\Z")
 _NOTIFICATION_TEXTS = ("title", "body", "image")
 _PLATFORMS = ("android", "apns", "webpush")
+_SECTIONS = frozenset(("fcm_options", "fcmOptions") + _PLATFORMS)  # checked when present
 
 
 def _check_dict(message: object) -> Dict[str, Any]:
@@ -3533,10 +3534,14 @@ def _check_message(message: object) -> Dict[str, Any]:
         raise ValueError("message %r must be a non-empty str" % targets[0])
     if targets[0] == "topic":
         _check_topic(target)
-    _check_data(message.get("data"), "data")
+    data = message.get("data")
+    if data is not None:
+        _check_data(data, "data")
     notification = message.get("notification")
     if notification is not None:
         _check_texts(_check_section(notification, "notification"), "notification")
+    if message.keys().isdisjoint(_SECTIONS):
+        return message  # the usual message: no options, no platform's config
     _check_fcm_options(message, "")
     for platform in _PLATFORMS:
         config = message.get(platform)
