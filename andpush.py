@@ -1425,8 +1425,11 @@ class _H2Connection:
         """How many more streams may start now."""
         if self.state != "OPEN":
             return 0
-        return max(0, min(self.max_streams - len(self.streams),
-                          (_H2_LAST_STREAM - self._next_id) // 2))
+        free = self.max_streams - len(self.streams)
+        ids_left = (_H2_LAST_STREAM - self._next_id) // 2
+        if ids_left < free:
+            free = ids_left
+        return free if free > 0 else 0
 
     # Starting and cancelling requests ------------------------------------------
 
@@ -1542,7 +1545,10 @@ class _H2Connection:
             payload = data[offset + 9:stop]
             offset = stop
             self._on_frame(head & 0xFF, flags, stream_id & _H2_LAST_STREAM, payload)
-        buffer[:] = data[offset:]
+        if offset < end:
+            buffer[:] = data[offset:]
+        elif buffer:
+            buffer.clear()
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != _CONTINUATION:
