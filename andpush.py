@@ -62,6 +62,7 @@ import re
 import selectors
 import socket
 import ssl
+import struct
 import sys
 import threading
 import time
@@ -1333,6 +1334,8 @@ _H2_DEFAULT_WINDOW = 65535    # what RFC 9113 starts every window at
 _H2_FRAME = 16384             # the largest frame we accept (the default; we never raise it)
 _H2_HEADER_TABLE = 4096       # the dynamic table we decode, whatever we advertise (we say 0)
 _H2_BLOCK_CACHE = 64          # request header blocks a connection remembers
+_H2_LENGTH_CACHE = 1024       # content-length fields remembered, by length
+_H2_ANSWER_CACHE = 64         # response header blocks a connection remembers, interpreted
 _H2_LAST_STREAM = (1 << 31) - 1
 # What we tell the server first: no dynamic table, no server push, large stream windows.
 _H2_SETTINGS = ((_SETTINGS_HEADER_TABLE_SIZE, 0), (_SETTINGS_ENABLE_PUSH, 0),
@@ -1353,21 +1356,38 @@ class _H2Stream:
     __slots__ = ("id", "key", "pending", "send_window", "status", "headers", "body",
                  "deadline", "first_byte")
 
-    def __init__(self, stream_id: int, key: object, deadline: float) -> None:
+    def __init__(self, stream_id: int, key: object, deadline: float, send_window: int,
+                 first_byte: int) -> None:
         self.id = stream_id
         self.key = key
         self.pending = b""                 # DATA not yet queued for want of window
-        self.send_window = 0
+        self.send_window = send_window
         self.status = 0
-        self.headers: Dict[str, str] = {}
-        self.body = bytearray()
+        self.headers = _NO_HEADERS         # those of the final answer, once it came
+        self.body: Union[bytes, bytearray] = b""
         self.deadline = deadline
-        self.first_byte = 0                # where the stream starts in the connection's output
+        self.first_byte = first_byte       # where the stream starts in the connection's output
+
+
+_CONTENT_LENGTH_FIELDS = {}  # type: Dict[int, bytes]
+
+
+def _content_length_field(length: int) -> bytes:
+    """The HPACK field ``content-length: <length>``, remembered for the next request."""
+    field = _hpack_encode_field("content-length", str(length))
+    if len(_CONTENT_LENGTH_FIELDS) >= _H2_LENGTH_CACHE:
+        _CONTENT_LENGTH_FIELDS.clear()
+    _CONTENT_LENGTH_FIELDS[length] = field
+    return field
+
+
+# A frame's 9-octet header: length (24 bits) and type in one word, flags, stream id.
+_FRAME_HEAD = struct.Struct(">IBI")
+_NO_HEADERS = Headers({})
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return (len(payload).to_bytes(3, "big") + bytes((kind, flags))
-            + stream_id.to_bytes(4, "big") + payload)
+    return _FRAME_HEAD.pack(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
 class _H2Connection:
@@ -1397,8 +1417,9 @@ class _H2Connection:
             _WINDOW_UPDATE, 0, 0, (_H2_WINDOW - _H2_DEFAULT_WINDOW).to_bytes(4, "big")))
         self._written = 0                  # bytes of output written, ever
         self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
-        self._blocks: Dict[Tuple[Any, ...], bytes] = {}
+        self._blocks: Dict[Tuple[Any, ...], Tuple[bytes, bytes]] = {}
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
+        self._answers: Dict[Tuple[Tuple[str, str], ...], Tuple[int, Headers]] = {}
         self.streams: Dict[int, _H2Stream] = {}   # in the order started
         self.finished: List[Tuple[object, Union[Response, Exception]]] = []
         self._next_id = 1
@@ -1415,8 +1436,11 @@ class _H2Connection:
         """How many more streams may start now."""
         if self.state != "OPEN":
             return 0
-        return max(0, min(self.max_streams - len(self.streams),
-                          (_H2_LAST_STREAM - self._next_id) // 2))
+        free = self.max_streams - len(self.streams)
+        ids_left = (_H2_LAST_STREAM - self._next_id) // 2
+        if ids_left < free:
+            free = ids_left
+        return free if free > 0 else 0
 
     # Starting and cancelling requests ------------------------------------------
 
@@ -1425,38 +1449,59 @@ class _H2Connection:
         """Queue a request as a new stream and return its id; ``key`` names its outcome."""
         if not self.free_streams:
             raise RuntimeError("no stream may start on this connection (%s)" % self.state)
-        stream = _H2Stream(self._next_id, key, deadline)
-        self._next_id += 2
-        stream.first_byte = self._written + len(self.outgoing)
-        stream.send_window = self._peer_initial_window
-        self._queue_headers(stream.id, self._header_block_for(method, path, headers, len(body)),
-                            end_stream=not body)
-        self.streams[stream.id] = stream
-        self._earliest = min(self._earliest, deadline)
-        stream.pending = body
-        self._send_data(stream)
-        return stream.id
+        head, tail = self._header_parts(method, path, headers)
+        length = len(body)
+        content_length = _CONTENT_LENGTH_FIELDS.get(length) or _content_length_field(length)
+        stream_id = self._next_id
+        self._next_id = stream_id + 2
+        stream = _H2Stream(stream_id, key, deadline, self._peer_initial_window,
+                           self._written + len(self.outgoing))
+        self.streams[stream_id] = stream
+        if deadline < self._earliest:
+            self._earliest = deadline
+        block_size = len(head) + len(content_length) + len(tail)
+        if block_size <= self._peer_frame and length <= min(
+                self._peer_frame, self._peer_window, stream.send_window):
+            # The usual request: one HEADERS frame and at most one DATA frame, joined once.
+            if body:
+                self.outgoing += b"".join((
+                    _FRAME_HEAD.pack(block_size << 8 | _HEADERS, _END_HEADERS, stream_id),
+                    head, content_length, tail,
+                    _FRAME_HEAD.pack(length << 8 | _DATA, _END_STREAM, stream_id), body))
+                self._peer_window -= length
+                stream.send_window -= length
+            else:
+                self.outgoing += b"".join((_FRAME_HEAD.pack(
+                    block_size << 8 | _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
+                    head, content_length, tail))
+        else:
+            self._queue_headers(stream_id, head + content_length + tail, end_stream=not body)
+            stream.pending = body
+            self._send_data(stream)
+        return stream_id
 
     def cancel(self, stream_id: int) -> None:
         """Give up on a stream without an outcome (its sender no longer waits)."""
         if self.streams.pop(stream_id, None) is not None:
             self.outgoing += _frame(_RST_STREAM, 0, stream_id, _CANCEL.to_bytes(4, "big"))
 
-    def _header_block_for(self, method: str, path: str, headers: Dict[str, str],
-                          length: int) -> bytes:
-        """The HPACK block of a request; the same few recur, so they are remembered."""
-        key = (method, path, length, *headers.items())
-        block = self._blocks.get(key)
-        if block is None:
-            fields = [(":method", method), (":scheme", self._scheme),
-                      (":authority", self._authority), (":path", path),
-                      ("user-agent", _USER_AGENT), ("content-length", str(length))]
-            fields.extend((name.lower(), value) for name, value in headers.items())
-            block = _hpack_encode(fields)
+    def _header_parts(self, method: str, path: str,
+                      headers: Dict[str, str]) -> Tuple[bytes, bytes]:
+        """A request's HPACK block before and after its content-length field.
+
+        The same few recur whatever the body's length, so they are remembered.
+        """
+        key = (method, path, *headers.items())
+        parts = self._blocks.get(key)
+        if parts is None:
+            parts = (_hpack_encode([(":method", method), (":scheme", self._scheme),
+                                    (":authority", self._authority), (":path", path),
+                                    ("user-agent", _USER_AGENT)]),
+                     _hpack_encode([(name.lower(), value) for name, value in headers.items()]))
             if len(self._blocks) >= _H2_BLOCK_CACHE:
                 self._blocks.clear()
-            self._blocks[key] = block
-        return block
+            self._blocks[key] = parts
+        return parts
 
     def _queue_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
         first, rest = block[:self._peer_frame], block[self._peer_frame:]
@@ -1492,21 +1537,29 @@ class _H2Connection:
         Raises _H2Error when the server broke the protocol; call ``abort`` then.
         """
         buffer = self._in
-        buffer += data
+        if buffer:
+            buffer += data
+            data = bytes(buffer)
+        elif type(data) is not bytes:
+            data = bytes(data)  # so that each payload is one copy, and a header block hashable
         offset = 0
-        end = len(buffer)
+        end = len(data)
+        unpack = _FRAME_HEAD.unpack_from
         while end - offset >= 9:
-            length = int.from_bytes(buffer[offset:offset + 3], "big")
+            head, flags, stream_id = unpack(data, offset)
+            length = head >> 8
             if length > _H2_FRAME:
                 raise _H2Error("a frame of %d bytes" % length, _FRAME_SIZE_ERROR)
-            if end - offset < 9 + length:
+            stop = offset + 9 + length
+            if stop > end:
                 break
-            kind, flags = buffer[offset + 3], buffer[offset + 4]
-            stream_id = int.from_bytes(buffer[offset + 5:offset + 9], "big") & _H2_LAST_STREAM
-            payload = bytes(buffer[offset + 9:offset + 9 + length])
-            offset += 9 + length
-            self._on_frame(kind, flags, stream_id, payload)
-        del buffer[:offset]
+            payload = data[offset + 9:stop]
+            offset = stop
+            self._on_frame(head & 0xFF, flags, stream_id & _H2_LAST_STREAM, payload)
+        if offset < end:
+            buffer[:] = data[offset:]
+        elif buffer:
+            buffer.clear()
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != _CONTINUATION:
@@ -1515,6 +1568,9 @@ class _H2Connection:
             raise _H2Error("the server's first frame was not SETTINGS")
         if kind == _DATA:
             self._on_data(flags, stream_id, payload)
+        elif kind == _HEADERS and flags & (_END_HEADERS | _PADDED | _PRIORITY_FLAG) == _END_HEADERS:
+            # The usual block, whole in one frame (which is smaller than _MAX_HEAD).
+            self._on_headers(stream_id, bool(flags & _END_STREAM), payload)
         elif kind in (_HEADERS, _CONTINUATION):
             self._on_header_fragment(kind, flags, stream_id, payload)
         elif kind == _RST_STREAM:
@@ -1543,7 +1599,12 @@ class _H2Connection:
             if not payload or payload[0] >= len(payload):
                 raise _H2Error("bad padding")
             payload = payload[1:len(payload) - payload[0]]
-        stream.body += payload
+        if not stream.body:
+            stream.body = payload  # the whole body, usually: kept without a copy
+        else:
+            if not isinstance(stream.body, bytearray):
+                stream.body = bytearray(stream.body)
+            stream.body += payload
         if len(stream.body) > _MAX_BODY:
             self._reset(stream, NetworkError(
                 "response body exceeds %d bytes" % _MAX_BODY, may_have_been_delivered=True))
@@ -1580,19 +1641,38 @@ class _H2Connection:
         if stream is None:
             return
         if not stream.status:
-            status = dict(fields).get(":status", "")
-            if not (len(status) == 3 and _is_digits(status)):
+            answer = self._answers.get(fields) or self._answer(fields)
+            status, headers = answer
+            if status < 0:
                 self._reset(stream, NetworkError("the server answered without a valid :status",
                                                  may_have_been_delivered=True))
                 return
-            if status[0] != "1":
-                stream.status = int(status)
-                for name, value in fields:
-                    if not name.startswith(":"):  # a name may be empty
-                        old = stream.headers.get(name)
-                        stream.headers[name] = value if old is None else old + ", " + value
+            if status // 100 != 1:
+                stream.status = status
+                stream.headers = headers
         if end_stream:
             self._complete(stream)
+
+    def _answer(self, fields: Tuple[Tuple[str, str], ...]) -> Tuple[int, Headers]:
+        """The status (-1 if none is valid) and Headers a block's fields stand for.
+
+        Servers repeat themselves, so these are remembered, and answers alike share one
+        Headers: it cannot be changed.
+        """
+        status = dict(fields).get(":status", "")
+        items: Dict[str, str] = {}
+        if not (len(status) == 3 and _is_digits(status)):
+            answer = (-1, _NO_HEADERS)
+        else:
+            for name, value in fields:
+                if not name.startswith(":"):  # a name may be empty
+                    old = items.get(name)
+                    items[name] = value if old is None else old + ", " + value
+            answer = (int(status), Headers(items))
+        if len(self._answers) >= _H2_ANSWER_CACHE:
+            self._answers.clear()
+        self._answers[fields] = answer
+        return answer
 
     def _on_reset(self, stream_id: int, payload: bytes) -> None:
         if stream_id not in self.streams:
@@ -1664,7 +1744,7 @@ class _H2Connection:
             self._reset(stream, NetworkError("the server ended the stream without a :status",
                                              may_have_been_delivered=True))
             return
-        response = Response(stream.status, "", Headers(stream.headers), bytes(stream.body))
+        response = Response(stream.status, "", stream.headers, bytes(stream.body))
         self._finish(stream.id, response)
 
     def _finish(self, stream_id: int, outcome: Union[Response, Exception]) -> None:
@@ -4062,6 +4142,7 @@ _COLOR = re.compile(r"#[0-9a-fA-F]{6}\Z")
 _ANALYTICS_LABEL = re.compile(r"[a-zA-Z0-9\-_.~%]{1,50}\Z")
 _NOTIFICATION_TEXTS = ("title", "body", "image")
 _PLATFORMS = ("android", "apns", "webpush")
+_SECTIONS = frozenset(("fcm_options", "fcmOptions") + _PLATFORMS)  # checked when present
 
 
 def _check_dict(message: object) -> Dict[str, Any]:
@@ -4094,10 +4175,14 @@ def _check_message(message: object) -> Dict[str, Any]:
         raise ValueError("message %r must be a non-empty str" % targets[0])
     if targets[0] == "topic":
         _check_topic(target)
-    _check_data(message.get("data"), "data")
+    data = message.get("data")
+    if data is not None:
+        _check_data(data, "data")
     notification = message.get("notification")
     if notification is not None:
         _check_texts(_check_section(notification, "notification"), "notification")
+    if message.keys().isdisjoint(_SECTIONS):
+        return message  # the usual message: no options, no platform's config
     _check_fcm_options(message, "")
     for platform in _PLATFORMS:
         config = message.get(platform)
@@ -4300,7 +4385,24 @@ def _check_legacy_message(message: object) -> Dict[str, Any]:
     return message
 
 
-_JSON_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+def _compact_json_encoder() -> Callable[[object], str]:
+    """JSON as FCM takes it, without spaces; made once from the C encoder when there is one.
+
+    ``json.JSONEncoder.encode`` builds a new C encoder at every call, which costs about as
+    much as encoding a whole message; this one is built once. It keeps no state between
+    calls, hence no record of the containers it is in: a message that contains itself
+    ends in RecursionError, as one nested too deeply always did.
+    """
+    encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    make_encoder = getattr(json.encoder, "c_make_encoder", None)
+    if make_encoder is None:  # an interpreter without the _json accelerator
+        return encoder.encode
+    encode = make_encoder(None, encoder.default, json.encoder.encode_basestring, None,
+                          encoder.key_separator, encoder.item_separator, False, False, False)
+    return lambda value: "".join(encode(value, 0))
+
+
+_JSON_ENCODE = _compact_json_encoder()
 
 
 def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
@@ -4311,6 +4413,9 @@ def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
         raise TypeError("%s is not JSON-serialisable: %s" % (what, exc)) from None
     except ValueError as exc:
         raise ValueError("%s is not JSON-serialisable: %s" % (what, exc)) from None
+    except RecursionError:
+        raise ValueError("%s is not JSON-serialisable: it contains itself, or nests too deeply"
+                         % what) from None
     return text.encode("utf-8")
 
 

@@ -3143,6 +3143,33 @@ class H2ConnectionTest(H2TestCase):
         (headers,) = self.sent(conn)
         self.assertEqual(headers[:3], (H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 3))
 
+    def test_each_request_carries_its_own_length_and_headers(self) -> None:
+        conn = self.open()
+        decoder = _HPACKDecoder(0)
+        for stream_id, (token, body) in zip(range(1, 100, 2), [
+                ("a", b"{}"), ("a", b"[1, 2]"), ("b", b"{}"), ("a", b"{}"), ("b", b"")]):
+            conn.start("POST", "/p", {"Authorization": "Bearer " + token}, body, token, 1e9)
+            frames = self.sent(conn)
+            fields = dict(decoder.decode(frames[0][3]))
+            self.assertEqual((fields["content-length"], fields["authorization"], fields[":path"]),
+                             (str(len(body)), "Bearer " + token, "/p"))
+            self.assertEqual([(kind, stream) for kind, _, stream, _ in frames],
+                             [(H2_HEADERS, stream_id)] + [(H2_DATA, stream_id)] * bool(body))
+            self.assertEqual(b"".join(f[3] for f in frames[1:]), body)
+
+    def test_answers_alike_are_read_alike_and_others_afresh(self) -> None:
+        conn = self.open()
+        answers = [("200", (("x-a", "1"), ("x-a", "2"))), ("200", (("x-a", "1"), ("x-a", "2"))),
+                   ("200", (("x-a", "3"),)), ("201", (("x-a", "3"),)), ("2000", ())]
+        for stream_id, (status, headers) in zip(range(1, 100, 2), answers):
+            self.start(conn, stream_id)
+            conn.receive(h2_answer(stream_id, status, b"{}", headers))
+        outcomes = [outcome for _, outcome in conn.finished]
+        self.assertEqual([(r.status_code, dict(r.headers)) for r in outcomes[:4]], [
+            (200, {"x-a": "1, 2"}), (200, {"x-a": "1, 2"}), (200, {"x-a": "3"}),
+            (201, {"x-a": "3"})])
+        self.assertIsInstance(outcomes[4], andpush.NetworkError)
+
     def test_response_over_headers_continuation_and_data_frames(self) -> None:
         block = _hpack_encode([(":status", "200"), ("content-type", "application/json"),
                                ("x-a", "1"), ("x-a", "2")])
@@ -3878,6 +3905,26 @@ class MessageValidationTest(unittest.TestCase):
             with self.subTest(message=message):
                 with self.assertRaisesRegex(error, pattern):
                     api.prepare(message, False)
+
+    def test_messages_are_compact_json_and_what_json_cannot_hold_is_refused(self) -> None:
+        api = andpush._V1API(andpush._StaticToken("t", "p"), "p", andpush._Clock())
+        message = {"token": "a", "apns": {"payload": {"n": [1, 2.5, None, True], "t": "\u00e9\n"}}}
+        self.assertEqual(api.prepare(message, True)[1], (
+            '{"message":{"token":"a","apns":{"payload":{"n":[1,2.5,null,true],"t":"\u00e9\\n"}}},'
+            '"validate_only":true}').encode("utf-8"))
+        itself: Dict[str, Any] = {"token": "a"}
+        itself["apns"] = {"payload": itself}
+        deep: List[Any] = []
+        for _ in range(100000):
+            deep = [deep]
+        for message, error, pattern in [
+            (itself, ValueError, "not JSON-serialisable: it contains itself"),
+            ({"token": "a", "apns": {"payload": deep}}, ValueError, "nests too deeply"),
+            ({"token": "a", "apns": {"payload": float("inf")}}, ValueError, "serialisable"),
+            ({"token": "a", "apns": {"payload": {"x": object()}}}, TypeError, "serialisable"),
+        ]:
+            with self.subTest(pattern=pattern), self.assertRaisesRegex(error, pattern):
+                api.prepare(message, False)
 
     def test_fields_fcm_would_refuse_are_refused_with_what_to_fix(self) -> None:
         big = {"k%d" % i: "v" * 100 for i in range(40)}  # 40 * (2 or 3 + 100) = 4,110 bytes
