@@ -4385,24 +4385,7 @@ def _check_legacy_message(message: object) -> Dict[str, Any]:
     return message
 
 
-def _compact_json_encoder() -> Callable[[object], str]:
-    """JSON as FCM takes it, without spaces; made once from the C encoder when there is one.
-
-    ``json.JSONEncoder.encode`` builds a new C encoder at every call, which costs about as
-    much as encoding a whole message; this one is built once. It keeps no state between
-    calls, hence no record of the containers it is in: a message that contains itself
-    ends in RecursionError, as one nested too deeply always did.
-    """
-    encoder = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    make_encoder = getattr(json.encoder, "c_make_encoder", None)
-    if make_encoder is None:  # an interpreter without the _json accelerator
-        return encoder.encode
-    encode = make_encoder(None, encoder.default, json.encoder.encode_basestring, None,
-                          encoder.key_separator, encoder.item_separator, False, False, False)
-    return lambda value: "".join(encode(value, 0))
-
-
-_JSON_ENCODE = _compact_json_encoder()
+_JSON_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
 
 
 def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
@@ -4413,9 +4396,6 @@ def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
         raise TypeError("%s is not JSON-serialisable: %s" % (what, exc)) from None
     except ValueError as exc:
         raise ValueError("%s is not JSON-serialisable: %s" % (what, exc)) from None
-    except RecursionError:
-        raise ValueError("%s is not JSON-serialisable: it contains itself, or nests too deeply"
-                         % what) from None
     return text.encode("utf-8")
 
 
