@@ -4396,6 +4396,8 @@ def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
         raise TypeError("%s is not JSON-serialisable: %s" % (what, exc)) from None
     except ValueError as exc:
         raise ValueError("%s is not JSON-serialisable: %s" % (what, exc)) from None
+    except RecursionError:
+        raise ValueError("%s is not JSON-serialisable: it nests too deeply" % what) from None
     return text.encode("utf-8")
 
 

@@ -1403,6 +1403,14 @@ class HeadersAndResponseTest(unittest.TestCase):
         )
 
 
+def deeply_nested(depth: int) -> Dict[str, Any]:
+    """A dict ``depth`` dicts deep, made without recursion."""
+    value: Dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"x": value}
+    return value
+
+
 class BadInputTest(ServerTestCase):
     """Bad input raises a TypeError or ValueError that says what to fix, before any I/O."""
 
@@ -1435,6 +1443,7 @@ class BadInputTest(ServerTestCase):
             ([TOKEN], TypeError, "must be a dict"),
             ({"to": TOKEN, "data": {"when": datetime.datetime.now()}}, TypeError, "serialisable"),
             ({"to": TOKEN, "data": {"x": float("nan")}}, ValueError, "serialisable"),
+            ({"to": TOKEN, "notification": deeply_nested(100_000)}, ValueError, "too deeply"),
         ]
         for message, error, fragment in table:
             with self.subTest(message=message):
