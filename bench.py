@@ -1,22 +1,22 @@
 """Benchmark andpush against a server we did not write: nginx on loopback.
 
 ``python bench.py`` (a few minutes); ``--quick`` (a smoke run), ``--rows NAME,...`` (parts of
-names; ``--list`` shows them), ``--own-server``. No network, no credentials. The peers (pyfcm,
-firebase-admin) run when importable: use a virtual environment's interpreter that has them.
+names; ``--list`` shows them). No network, no credentials. The peers (pyfcm, firebase-admin)
+run when importable: use a virtual environment's interpreter that has them.
 
 nginx (``apt-get install nginx-light``) runs from a temporary folder with the tests' throw-away
 certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM. Its
-access log gives the ``proto`` and ``conns`` columns. Without it (or with ``--own-server``) the
-standard library's HTTP/1.1 server stands in: its figures do not count, the HTTP/2 rows are not
-measured.
+access log gives the ``proto`` and ``conns`` columns (the connections that carried pushes).
+Without nginx nothing is measured: figures count only against a server we did not write.
 
 ``(50 ms)`` rows go through a relay that holds bytes 25 ms each way (a new connection's first
 bytes a round trip more: its handshake). The measured round trip is the RTT of the ideals
-(concurrency / RTT); row ``relay-ceiling`` shows the relay carries 3x the top one. Each row
-runs in a child process: ``msg/s`` is successes over wall time, ``CPU/1k`` the child's CPU (all
-threads) per 1,000 messages, ``ratio`` to the ideal or to the floor (raw requests on one
-kept-alive TLS socket; the row takes turns with its own floor), ``srv/relay`` the share of a
-core the server and relay used. The targets are all in ROWS.
+(concurrency / RTT, the concurrency over HTTP/2 at most 100 streams on each connection used);
+row ``relay-ceiling`` shows the relay carries 3x the top one. Each row runs in a child
+process: ``msg/s`` is successes over wall time, ``CPU/1k`` the child's CPU (all threads) per
+1,000 messages, ``ratio`` to the ideal or to the floor (raw requests on one kept-alive TLS
+socket; the row takes turns with its own floor), ``srv/relay`` the share of a core the server
+and relay used. The targets are all in ROWS.
 """
 
 import argparse
@@ -24,7 +24,6 @@ import collections
 import concurrent.futures
 import functools
 import heapq
-import http.server
 import importlib.util
 import itertools
 import json
@@ -42,12 +41,11 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECT = "p"
 FLOOR_PROJECT = "floor"  #: the project of a row's own floor requests, told apart in the log
-V1_BODY = b'{"name": "projects/p/messages/0:1"}'
 TOKEN_BODY = b'{"access_token": "bench-token", "expires_in": 3600, "token_type": "Bearer"}'
 DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
 ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
@@ -76,13 +74,13 @@ class Row:
     count: int = 0  # messages timed (per batch); a fifth with --quick
     relayed: bool = False  # through the 50 ms relay
     http2: bool = True  # andpush.new(http2=...); the protocol the server must see
-    concurrency: int = 1  # threads or push_many's concurrency: the ideal is concurrency / RTT
+    concurrency: int = 1  # threads, tasks or push_many's concurrency: the ideal's numerator
     warm: int = 0  # messages sent first, untimed, on the same client (push() or push_many)
     batches: int = 1
     base: str = ""  # what ``ratio`` divides by: "floor" or "ideal"
     min_ratio: Optional[float] = None
     max_cpu: Optional[float] = None  # client CPU seconds per 1,000 messages
-    cpu_at_most_row: str = ""  # CPU per message no more than that row's
+    cpu_below: Tuple[str, float] = ("", 1.0)  # CPU per message at most that row's / this
     max_conns: Optional[int] = None
     min_rate: Optional[float] = None  # messages per second
     min_relay_headroom: Optional[float] = None  # msg/s / relay's CPU share, over the ideal
@@ -97,12 +95,15 @@ ROWS = [
     Row("push-h1", "push", "push() sequential, http2=False", count=5000, http2=False, warm=1,
         base="floor", min_ratio=0.6),  # warm=1: connected, as the floor is
     Row("push-h2", "push", "push() sequential, HTTP/2", count=5000, warm=1, base="floor",
-        cpu_at_most_row="push-h1"),
+        cpu_below=("push-h1", 1.0)),
     Row("relay-ceiling", "ceiling", "raw pipelined HTTP/1.1 through the relay, %d conns x %d"
         % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, relayed=True, http2=False,
         concurrency=700, base="ideal", min_relay_headroom=3.0),
     Row("threads-100", "threads", "push() from 100 threads, new client", count=4000,
         relayed=True, concurrency=100, base="ideal", min_ratio=0.9, max_conns=2, max_cpu=0.08),
+    Row("async-push-1000", "async-push", "asyncio: await push() from 1,000 tasks, new client",
+        count=20_000, relayed=True, concurrency=1000, base="ideal", min_ratio=0.9,
+        max_cpu=0.05),
     Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
         count=10_000, relayed=True, concurrency=100, base="ideal"),
     Row("many-700-new", "many", "push_many(concurrency=700), 10k on a new client",
@@ -114,6 +115,11 @@ ROWS = [
     Row("many-700-x10", "many", "push_many(concurrency=700), 10 batches of 10k, one client",
         count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", min_ratio=0.92,
         max_cpu=0.025),
+    Row("async-many-700-new", "async-many", "asyncio: push_many(concurrency=700), 10k, new client",
+        count=10_000, relayed=True, concurrency=700, base="ideal"),
+    Row("async-many-700-x10", "async-many", "asyncio: push_many(concurrency=700), 10 x 10k",
+        count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", min_ratio=0.9,
+        max_cpu=0.03, cpu_below=("fbadmin-async", 10.0)),
     Row("many-direct", "many", "push_many(concurrency=100), no delay: client-bound",
         count=50_000, concurrency=100, warm=100, min_rate=40_000),
     Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client",
@@ -128,6 +134,8 @@ ROWS = [
         count=1000, http2=False, base="floor", module=FBADMIN),
     Row("fbadmin-each", "fbadmin-each", "peer: firebase-admin send_each, chunks of 500",
         count=2000, relayed=True, http2=False, concurrency=100, base="ideal", module=FBADMIN),
+    Row("fbadmin-async", "fbadmin-async", "peer: firebase-admin send_each_async, chunks of 500",
+        count=2000, relayed=True, concurrency=500, base="ideal", module=FBADMIN),
     Row("import-andpush", "import", "import andpush (cached bytecode, median of 10)",
         module="andpush", max_ms=40),
     Row("import-pyfcm", "import", "import pyfcm", module=PYFCM),
@@ -274,52 +282,6 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
     except (OSError, IndexError):
         worker = master.pid
     return port, worker, os.path.join(folder, "access.log")
-
-
-# bench.py's own server (only without nginx) ####################################################
-# The standard library's threading HTTP/1.1 server (the HTTP/2 rows need nginx), logging as
-# nginx does: a connection (its client's port), the protocol, the path.
-
-class OwnHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive
-    wbufsize = 65536  # an answer goes out in one write, at the flush after do_POST
-    log_lock = threading.Lock()
-    log: TextIO
-
-    def setup(self) -> None:
-        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        super().setup()
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        status, body = ((200, V1_BODY) if self.path.endswith("/messages:send") else
-                        (200, TOKEN_BODY) if self.path == "/token" else (404, b"{}"))
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-        with self.log_lock:
-            self.log.write("%d HTTP/1.1 %s\n" % (self.client_address[1], self.path))
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-class OwnServer(http.server.ThreadingHTTPServer):
-    request_queue_size = 1024  # the listen backlog: up to 700 connections come at once
-
-
-def serve(port: int, cert: str, key: str, log_path: str) -> None:
-    """The own server (``--serve``): serves on ``port`` until killed."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    context.set_alpn_protocols(["http/1.1"])
-    server = OwnServer(("127.0.0.1", port), OwnHandler)
-    server.socket = context.wrap_socket(server.socket, server_side=True,
-                                        do_handshake_on_connect=False)  # in each thread
-    with open(log_path, "a", buffering=1) as OwnHandler.log:
-        server.serve_forever()
 
 
 # The relay: 25 ms each way #####################################################################
@@ -582,6 +544,38 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
     return {"push": sequential, "threads": threads, "many": many}[row.kind], client.close
 
 
+def setup_async(row: Row, port: int, cafile: str) -> Work:
+    """A new asyncio client on an event loop of its own: push() from concurrent tasks, or
+    push_many batches."""
+    import asyncio
+
+    import andpush
+    loop = asyncio.new_event_loop()
+    client = andpush.new_async(access_token="bench-token", project_id=PROJECT,
+                               endpoint="https://127.0.0.1:%d" % port,
+                               ssl_context=ssl.create_default_context(cafile=cafile))
+
+    async def task(tally: Tally, count: int) -> None:
+        for message in messages(count):
+            try:
+                tally.add(await client.push(message))
+            except andpush.Error as exc:
+                tally.add(exc)
+
+    async def tasks(tally: Tally, count: int) -> None:
+        await asyncio.gather(*[task(tally, count // row.concurrency)
+                               for _ in range(row.concurrency)])
+
+    async def many(tally: Tally, count: int) -> None:
+        for _ in range(row.batches):
+            async for _, outcome in client.push_many(messages(count),
+                                                     concurrency=row.concurrency):
+                tally.add(outcome)
+    work = tasks if row.kind == "async-push" else many
+    return (lambda tally, count: loop.run_until_complete(work(tally, count)),
+            lambda: (loop.run_until_complete(client.aclose()), loop.close()))
+
+
 def service_account(port: int, rsa_key: str) -> Dict[str, str]:
     with open(rsa_key) as f:
         key = f.read()
@@ -608,6 +602,8 @@ def setup_pyfcm(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
 
 
 def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
+    import asyncio
+
     import firebase_admin
     import requests
     from firebase_admin import _http_client, credentials, messaging
@@ -627,22 +623,32 @@ def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
     message = messaging.Message(token=DEVICE_TOKEN, data=MESSAGE["data"],
                                 notification=messaging.Notification(title="Benchmark",
                                                                     body="andpush push"))
-    send = functools.partial(messaging.send, message, app=app)
-    send()
+    loop = asyncio.new_event_loop()  # send_each_async's, kept for its connections
 
-    def send_each(tally: Tally, count: int) -> None:
-        for start_at in range(0, count, 500):
-            batch = messaging.send_each([message] * min(500, count - start_at), app=app)
-            for response in batch.responses:
-                tally.add(response.message_id if response.success else response.exception)
-    return (repeated(send) if row.kind == "fbadmin-send" else send_each,
-            lambda: firebase_admin.delete_app(app))
+    def in_chunks(send_chunk: Callable[[List[Any]], Any]) -> Callable[[Tally, int], None]:
+        def work(tally: Tally, count: int) -> None:
+            for start_at in range(0, count, 500):
+                for response in send_chunk([message] * min(500, count - start_at)).responses:
+                    tally.add(response.message_id if response.success else response.exception)
+        return work
+
+    def clean_up() -> None:
+        loop.run_until_complete(service._async_client.aclose())  # on the loop it used
+        loop.close()
+        firebase_admin.delete_app(app)
+    work = {"fbadmin-send": repeated(functools.partial(messaging.send, message, app=app)),
+            "fbadmin-each": in_chunks(lambda chunk: messaging.send_each(chunk, app=app)),
+            "fbadmin-async": in_chunks(lambda chunk: loop.run_until_complete(
+                messaging.send_each_async(chunk, app=app)))}[row.kind]
+    work(Tally(), 1)  # untimed: the access token, a connection
+    return work, clean_up
 
 
 SETUPS: Dict[str, Callable[..., Work]] = {
     "floor": setup_floor, "ceiling": setup_ceiling, "push": setup_andpush,
     "threads": setup_andpush, "many": setup_andpush, "pyfcm": setup_pyfcm,
-    "fbadmin-send": setup_fbadmin, "fbadmin-each": setup_fbadmin,
+    "fbadmin-send": setup_fbadmin, "fbadmin-each": setup_fbadmin, "async-push": setup_async,
+    "async-many": setup_async, "fbadmin-async": setup_fbadmin,
 }
 
 
@@ -675,7 +681,6 @@ def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Di
 class Setting:
     """What the rows run against."""
 
-    server: str  # "nginx" or "own"
     port: int
     relay_port: int
     server_pid: int  # nginx's worker
@@ -688,7 +693,7 @@ class Setting:
 @dataclass
 class Result:
     row: Row
-    cells: Tuple[str, ...] = ("-",) * 7  # server, proto, conns, msg/s, ratio, CPU/1k, srv/relay
+    cells: Tuple[str, ...] = ("-",) * 6  # proto, conns, msg/s, ratio, CPU/1k, srv/relay
     cpu: Optional[float] = None  # seconds per 1,000 messages
     checks: Tuple[Tuple[str, bool], ...] = ()  # (target, met)
     note: str = ""
@@ -710,7 +715,7 @@ def cpu_share(pid: int, before: Optional[float], seconds: float) -> Optional[flo
     return None if before is None or after is None else (after - before) / seconds
 
 
-def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) -> Result:
+def run_row(row: Row, setting: Setting, quick: bool) -> Result:
     """Run a row in a child process and judge it against its targets."""
     result = Result(row)
     if missing_package(row):
@@ -718,9 +723,6 @@ def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) ->
         return result
     if row.kind == "import":
         return import_row(row, result)
-    if row.http2 and setting.server != "nginx":
-        result.note = "not measured: HTTP/2 rows need nginx"
-        return result
     with open(setting.log, "rb") as f:
         offset = f.seek(0, os.SEEK_END)
     before = cpu_seconds(setting.server_pid), cpu_seconds(setting.relay_pid)
@@ -743,17 +745,18 @@ def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) ->
         result.note = "failed: " + (child.stderr.strip().splitlines() or ["?"])[-1][:200]
         return result
     report = json.loads(child.stdout.strip().splitlines()[-1])
-    with open(setting.log, "rb") as f:  # the row's requests, not its floor's
+    with open(setting.log, "rb") as f:  # the row's pushes: not its floor's, nor tokens
         f.seek(offset)
         lines = [line.split() for line in f.read().decode().splitlines()
-                 if "/projects/%s/" % FLOOR_PROJECT not in line]
+                 if line.endswith("/projects/%s/messages:send" % PROJECT)]
     protocols = collections.Counter(line[1] for line in lines)
     conns = len({line[0] for line in lines})
     rate = report["row_ok"] / report["row_seconds"]
     result.cpu = 1000 * report["row_cpu"] / max(report["row_ok"] + report["row_failed"], 1)
-    base = (row.concurrency / setting.rtt if row.base == "ideal" else
+    in_flight = min(row.concurrency, H2_STREAMS * conns) if row.http2 else row.concurrency
+    base = (in_flight / setting.rtt if row.base == "ideal" else
             report["floor_ok"] / report["floor_seconds"] if row.base == "floor" else None)
-    result.cells = (setting.server, "+".join(
+    result.cells = ("+".join(
         {"HTTP/2.0": "h2"}.get(p, p.lower()) + ("" if len(protocols) == 1 else " %d" % n)
         for p, n in sorted(protocols.items())) or "-", str(conns), "{:,.0f}".format(rate),
         "%.2f %s" % (rate / base, row.base) if base else "-", "%.3f" % result.cpu,
@@ -768,9 +771,6 @@ def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) ->
         checks.append((">={:,.0f}/s".format(row.min_rate), rate >= row.min_rate))
     if row.max_cpu is not None:
         checks.append(("CPU<=%g" % row.max_cpu, result.cpu <= row.max_cpu))
-    other = done.get(row.cpu_at_most_row)
-    if other is not None and other.cpu is not None:
-        checks.append(("CPU<=%s's" % other.row.name, result.cpu <= other.cpu))
     if base and row.min_relay_headroom is not None and shares[1]:  # the relay's capacity
         checks.append(("relay cap>=%gx ideal" % row.min_relay_headroom,
                        rate / shares[1] / base >= row.min_relay_headroom))
@@ -781,6 +781,16 @@ def run_row(row: Row, setting: Setting, quick: bool, done: Dict[str, Result]) ->
                                                      report[side + "_error"])
     result.checks = tuple(checks)
     return result
+
+
+def compare_cpu(results: Dict[str, Result]) -> None:
+    """Add each row's CPU target that is relative to another row, once both have run."""
+    for result in results.values():
+        name, factor = result.row.cpu_below
+        other = results.get(name)
+        if result.cpu is not None and other is not None and other.cpu is not None:
+            result.checks += (("CPU<=%s's%s" % (name, "/%g" % factor if factor != 1 else ""),
+                               result.cpu <= other.cpu / factor),)
 
 
 IMPORT_SNIPPET = ("import time; started = time.perf_counter(); import %s; "
@@ -795,13 +805,13 @@ def import_row(row: Row, result: Result) -> Result:
                                  env=environment).stdout)
             for _ in range(IMPORT_SAMPLES + 1)][1:]  # the first writes the bytecode cache
     milliseconds = 1000 * statistics.median(runs)
-    result.cells = ("-",) * 3 + ("%.1f ms" % milliseconds,) + ("-",) * 3
+    result.cells = ("-",) * 2 + ("%.1f ms" % milliseconds,) + ("-",) * 3
     if row.max_ms is not None:
         result.checks = (("<=%g ms" % row.max_ms, milliseconds <= row.max_ms),)
     return result
 
 
-COLUMNS = ("row", "server", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/relay",
+COLUMNS = ("row", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/relay",
            "target", "met")
 
 
@@ -811,7 +821,7 @@ def table(results: List[Result]) -> str:
         ("met" if all(ok for _, ok in r.checks) else "MISSED") if r.checks else "-",
     ) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) if 3 <= i <= 7 else cell.ljust(w)
+    lines = ["  ".join(cell.rjust(w) if 2 <= i <= 6 else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]
     notes = ["%s: %s%s" % (r.row.name, r.row.title, " -- " + r.note if r.note else "")
@@ -819,26 +829,15 @@ def table(results: List[Result]) -> str:
     return "\n".join(lines + [""] + notes)
 
 
-def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
-    """nginx (or the own server), the relay in front of it, and the round trip through it."""
-    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-    me = [sys.executable, os.path.abspath(__file__)]
-    if nginx and not own:
-        port, pid, log = start_nginx(nginx, folder, certs)
-        server = "nginx"
-        print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
-              % (nginx, port), flush=True)
-    else:
-        print("NO NGINX%s: bench.py's own server; its figures do not count (apt-get install "
-              "nginx-light)" % (" (--own-server)" if nginx else " installed"), flush=True)
-        log, server = os.path.join(folder, "own.log"), "own"
-        open(log, "w").close()
-        port = free_port()
-        pid = start(me + ["--serve", str(port), certs["cert.pem"], certs["key.pem"], log],
-                    "the own server", port).pid
+def start_servers(nginx: str, folder: str, certs: Dict[str, str]) -> Setting:
+    """nginx, the relay in front of it, and the round trip through it."""
+    port, pid, log = start_nginx(nginx, folder, certs)
+    print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d" % (nginx, port),
+          flush=True)
     relay_port = free_port()
-    relay_process = start(me + ["--relay", str(relay_port), str(port)], "the relay", relay_port)
-    setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs)
+    relay_process = start([sys.executable, os.path.abspath(__file__), "--relay",
+                           str(relay_port), str(port)], "the relay", relay_port)
+    setting = Setting(port, relay_port, pid, relay_process.pid, log, certs)
     setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
     print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
           "ideals" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES), flush=True)
@@ -850,20 +849,15 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smaller counts: a smoke run")
     parser.add_argument("--rows", help="comma-separated row names (or parts of names)")
     parser.add_argument("--list", action="store_true", help="list the rows and exit")
-    parser.add_argument("--own-server", action="store_true",
-                        help="use bench.py's own server even where nginx is installed")
     for hidden in ("--child", "--cafile", "--rsa-key"):  # what bench.py passes its helpers
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--relay", type=int, nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    if args.serve:
-        serve(int(args.serve[0]), *args.serve[1:])
     by_name = {row.name: row for row in ROWS}
     if args.child:
         print(json.dumps(run_child(by_name[args.child], args.port, args.cafile, args.rsa_key,
@@ -876,16 +870,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.list or not rows:
         print("\n".join("%-15s %s" % (row.name, row.title) for row in ROWS))
         return 0 if args.list else 2
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+    if not nginx:
+        print("bench.py measures against nginx, which is not installed (apt-get install "
+              "nginx-light)", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the helpers stop
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
-            setting = start_servers(folder, write_certificates(folder), args.own_server)
+            setting = start_servers(nginx, folder, write_certificates(folder))
             done: Dict[str, Result] = {}
             for row in rows:
                 print("running %s ..." % row.name, file=sys.stderr, flush=True)
-                done[row.name] = run_row(row, setting, args.quick, done)
+                done[row.name] = run_row(row, setting, args.quick)
             stop_all()
+            compare_cpu(done)
     except KeyboardInterrupt:
         return 130
     finally:

@@ -4701,16 +4701,41 @@ class RetryTest(V1TestCase):
 
 # The README ##################################################################################
 
+class FakeFastAPI:
+    """The part of fastapi.FastAPI the README's example uses: a lifespan, a state, and a
+    decorator that registers a route handler, so that the test can call them itself."""
+
+    def __init__(self, lifespan: Callable[[Any], Any]) -> None:
+        self.lifespan = lifespan
+        self.state = types.SimpleNamespace()
+        self.routes: Dict[str, Callable[..., Any]] = {}
+
+    def post(self, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+            self.routes[path] = handler
+            return handler
+        return register
+
+    async def serve(self, path: str, *calls: Tuple[Any, ...]) -> List[Any]:
+        """Start the app, answer each call of the route at ``path``, and stop the app."""
+        async with self.lifespan(self):
+            return [await self.routes[path](*arguments) for arguments in calls]
+
+
 class ReadmeExamplesTest(unittest.TestCase):
     """Every Python example in README.md runs, in order, against the fake server."""
 
     def test_every_python_example_runs(self) -> None:
+        import asyncio  # only this test needs it, here: merges cleanly with other work
+        from typing import AsyncIterator
+
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
             examples = re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
         self.assertGreater(len(examples), 5)
         with FakeGoogle() as server, tempfile.TemporaryDirectory() as directory:
             server.valid_tokens.add("test-token")
             server.by_token["t2"] = [fcm_error(404, "UNREGISTERED")]  # the bulk example's
+            server.by_token["gone"] = [fcm_error(404, "UNREGISTERED")]  # the FastAPI one's
             with open(os.path.join(directory, "service-account.json"), "w") as file:
                 json.dump(service_account_info(server), file)
             ca_file = os.path.join(directory, "ca.pem")
@@ -4723,23 +4748,42 @@ class ReadmeExamplesTest(unittest.TestCase):
                 options.setdefault("ssl_context", client_context())
                 return real_new(*args, **options)
 
+            real_new_async = andpush.new_async
+
+            def new_async(*args: Any, **options: Any) -> andpush.AsyncClient:
+                options.setdefault("endpoint", server.endpoint)
+                options.setdefault("ssl_context", client_context())
+                return real_new_async(*args, **options)
+
+            async def fetch_tokens() -> AsyncIterator[str]:  # rows of an async database driver
+                for token in ("a1", "a2"):
+                    await asyncio.sleep(0)
+                    yield token
+
+            fastapi = types.ModuleType("fastapi")
+            fastapi.FastAPI = FakeFastAPI  # type: ignore[attr-defined]
             forgotten: List[str] = []
             namespace: Dict[str, Any] = {
                 "device_token": TOKEN, "other_token": "other-token", "server_key": SERVER_KEY,
                 "all_tokens": iter(["t1", "t2", "t3"]),  # one pass only, as a cursor's rows
                 "forget": forgotten.append,
                 "app": types.SimpleNamespace(task=lambda function: function),
+                "fetch_tokens": fetch_tokens,
             }
             cwd = os.getcwd()
             os.chdir(directory)
             try:
                 with unittest.mock.patch.object(andpush, "new", new), \
+                        unittest.mock.patch.object(andpush, "new_async", new_async), \
+                        unittest.mock.patch.dict(sys.modules, fastapi=fastapi), \
                         environment(FCM_TEST_ENDPOINT=server.endpoint, FCM_TEST_CA_FILE=ca_file), \
                         contextlib.redirect_stdout(io.StringIO()):
                     for number, example in enumerate(examples, 1):
                         with self.subTest(example=number):
                             exec(compile(example, "README example %d" % number, "exec"), namespace)
                     namespace["notify"](TOKEN, "Hello")
+                    answers = asyncio.run(namespace["app"].serve(
+                        "/notify/{token}", (TOKEN, "Hello"), ("gone", "Hello")))
             finally:
                 os.chdir(cwd)
                 for value in namespace.values():
@@ -4747,7 +4791,11 @@ class ReadmeExamplesTest(unittest.TestCase):
                         value.close()
             self.assertEqual(server.errors, [])
             self.assertGreater(server.processed, 10)
-            self.assertEqual(forgotten, ["t2"])
+            self.assertEqual(forgotten, ["t2", "gone"])
+            self.assertEqual(answers, [{"sent": True}, {"sent": False}])
+            sent_to = [r.json["message"].get("token") for r in server.requests
+                       if r.path.endswith(":send")]
+            self.assertEqual(sent_to.count("a2"), 1)  # the asyncio push_many's
 
     def test_every_command_line_example_runs(self) -> None:
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
