@@ -2849,21 +2849,31 @@ class _Loop(_Engine):
             self._sel().modify(sock, events, link)
 
     def _read(self, link: _Link) -> None:
-        """Read and handle all the socket has (a TLS record may hold several frames)."""
+        """Read all the socket has, and hand it over: an HTTP/1.1 answer as it comes, an
+        HTTP/2 connection's bytes at once (each recv gives one TLS record, and an answer
+        often spans two)."""
         sock = link.carrier
-        try:
-            while not link.closed:
-                try:
-                    data = sock.recv(_RECV_SIZE)
-                except _WOULD_BLOCK:
-                    return
-                if not data:
-                    self._lost(link, "the server closed the connection")
-                    return
-                if not self._received(link, data):
-                    return
-        except OSError as exc:
-            self._lost(link, "the connection broke: %s" % _reason(exc))
+        chunks: List[bytes] = []
+        ended = ""
+        while not link.closed:
+            try:
+                data = sock.recv(_RECV_SIZE)
+            except _WOULD_BLOCK:
+                break
+            except OSError as exc:
+                ended = "the connection broke: %s" % _reason(exc)
+                break
+            if not data:
+                ended = "the server closed the connection"
+                break
+            if isinstance(link, _H2Link):
+                chunks.append(data)
+            elif not self._received(link, data):
+                return
+        if chunks and not self._received(link, b"".join(chunks)):
+            return
+        if ended:
+            self._lost(link, ended)
 
 
 class _AsyncLoop(_Engine):
@@ -3144,9 +3154,10 @@ class _Batch:
         self._window = concurrency * _WINDOW_PER_WORKER
         self._progress = progress
         self._lock = threading.Lock()
-        self._prepared: Deque[_Exchange] = collections.deque()
+        self._prepared: Deque[int] = collections.deque()  # the items read, not yet started
         self._items_out: Dict[int, Any] = {}  # the item of each exchange not yet ended
         self._outcomes: Dict[int, Tuple[Any, Outcome]] = {}
+        self._handed: Deque[Tuple[Any, Outcome]] = collections.deque()  # taken, not yet given
         self._read = 0          # items taken from the input
         self._yielded = 0       # pairs handed to the consumer
         self._in_flight = 0     # exchanges the engine has started and not ended
@@ -3169,28 +3180,32 @@ class _Batch:
 
     # The feeder -----------------------------------------------------------------------
 
+    def _half_free(self) -> None:
+        """Wake the feeder once half its room is free, not at every message, so that it
+        prepares many at each wake (the lock is held)."""
+        half = self.concurrency // 2
+        if len(self._prepared) <= half and self._ahead() <= self._window - half:
+            self._room_made()
+
     def _must_wait(self) -> bool:
         """Whether the feeder waits for room before reading another item (lock held)."""
         return self._reading and (len(self._prepared) >= self.concurrency
-                                  or self._read - self._yielded >= self._window)
+                                  or self._ahead() >= self._window)
+
+    def _ahead(self) -> int:
+        """Items read whose pair the consumer has not been given yet."""
+        return self._read - self._yielded + len(self._handed)
 
     def _prepare(self, item: Any) -> None:
-        try:
-            exchange: Optional[_Exchange] = self._make(item)
-        except Exception as exc:  # a bad message (TypeError, ValueError), or worse: its outcome
-            exchange, bad = None, exc
+        """Keep an item just read for the engine, which makes its exchange when it can
+        start it (one thread doing all the work is cheaper than two sharing it)."""
         with self._lock:
             if not self._reading:  # stopped while the input was being read: not sent
                 return
             index = self._read
             self._read += 1
-            if exchange is None:
-                self._store(index, item, bad)
-            else:
-                exchange.index = index
-                exchange.on_done = self._finished
-                self._items_out[index] = item
-                self._prepared.append(exchange)
+            self._items_out[index] = item
+            self._prepared.append(index)
             wake, self._engine_waits = self._engine_waits, False
         if wake:
             self.route.loop.wake()
@@ -3206,11 +3221,12 @@ class _Batch:
     # The engine -----------------------------------------------------------------------
 
     def ready(self) -> List[_Exchange]:
-        """The prepared exchanges that may start now, within ``concurrency``."""
+        """The exchanges of the items that may start now, within ``concurrency``: a bad
+        message (TypeError, ValueError) gets its outcome instead."""
         with self._lock:
             if self._discarded:  # taken from the input, never to be sent
-                for exchange in self._prepared:
-                    self._store(exchange.index, self._items_out.pop(exchange.index),
+                for index in self._prepared:
+                    self._store(index, self._items_out.pop(index),
                                 NetworkError("not sent: push_many was stopped",
                                              may_have_been_delivered=False))
                 self._prepared.clear()
@@ -3219,9 +3235,23 @@ class _Batch:
             taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
             self._in_flight += len(taken)
             if taken:
-                self._room_made()
+                self._half_free()
             self._note_room()
-            return taken
+            items = [(index, self._items_out[index]) for index in taken]
+        exchanges = []
+        for index, item in items:
+            try:
+                exchange = self._make(item)
+            except Exception as exc:  # a bad message, or worse: its outcome
+                with self._lock:
+                    self._in_flight -= 1
+                    self._store(index, self._items_out.pop(index), exc)
+                    self._note_room()
+                continue
+            exchange.index = index
+            exchange.on_done = self._finished
+            exchanges.append(exchange)
+        return exchanges
 
     def ended(self) -> bool:
         """Whether the engine may forget the batch: nothing left to read, start or end."""
@@ -3243,11 +3273,11 @@ class _Batch:
                               and self._reading)
 
     def abandon(self, reason: str) -> None:
-        """The engine is gone: the prepared exchanges end unsent, and so does the reading
+        """The engine is gone: the items waiting to start end unsent, and so does the reading
         (the exchanges in flight get their outcomes from the engine)."""
         with self._lock:
-            for exchange in self._prepared:
-                self._store(exchange.index, self._items_out.pop(exchange.index, None),
+            for index in self._prepared:
+                self._store(index, self._items_out.pop(index),
                             NetworkError(reason, may_have_been_delivered=False))
             self._prepared.clear()
             if self._reading:
@@ -3273,9 +3303,18 @@ class _Batch:
 
     def _next_or_end(self) -> Optional[Tuple[Any, Outcome]]:
         """The next pair if it is there, else None to wait (the lock is held); raises
-        StopIteration after the last item read, or the input's error if it failed."""
+        StopIteration after the last item read, or the input's error if it failed.
+
+        The pairs that follow it, if there, are taken with it (into ``_handed``, which
+        the consumer alone reads), so that a consumer keeping up takes the lock, and
+        wakes, once per run of answers rather than once per message."""
+        self._half_free()  # the pairs given since the last call made room
         if self._yielded in self._outcomes:
-            return self._take(1)[0]
+            count = 1
+            while self._yielded + count in self._outcomes:
+                count += 1
+            self._handed.extend(self._take(count))
+            return self._handed.popleft()
         if not self._reading and self._yielded == self._read:
             error, self._error = self._error, None
             if error is not None:
@@ -3294,11 +3333,13 @@ class _Batch:
         """Hand out the next ``count`` pairs, which are there (the lock is held)."""
         pairs = [self._outcomes.pop(self._yielded + i) for i in range(count)]
         self._yielded += count
-        self._room_made()  # the window moved
+        self._half_free()  # the window moved
         return pairs
 
     def _rest(self) -> List[Tuple[Any, Outcome]]:
-        return self._take(len(self._outcomes))
+        pairs = [*self._handed, *self._take(len(self._outcomes))]
+        self._handed.clear()
+        return pairs
 
     def stop(self) -> None:
         """Read no more: what was read is still sent, and its pairs are the last; the
@@ -3358,6 +3399,8 @@ class _ThreadBatch(_Batch):
     def next_pair(self) -> Tuple[Any, Outcome]:
         """The next (item, outcome) in input order, once it has ended; StopIteration
         after the last item read, or the input's error if it failed."""
+        if self._handed:
+            return self._handed.popleft()
         with self._lock:
             while True:
                 pair = self._next_or_end()
@@ -3431,6 +3474,8 @@ class _AsyncBatch(_Batch):
         """The next (item, outcome) in input order; StopAsyncIteration after the last
         item read, or the input's error if it failed. Cancelled, reading stops and nothing
         more is sent."""
+        if self._handed:
+            return self._handed.popleft()
         while True:
             with self._lock:
                 try:
