@@ -3229,17 +3229,25 @@ class _AsyncBatch(_Batch):
         _resolve(self._room_waiter)
 
     async def _feed(self) -> None:
+        """Read and prepare until the input ends or reading stops; room is awaited before
+        each item is taken, so no item waits outside the window."""
         try:
             await self._before()
             if isinstance(self._items, AsyncIterable):
-                async for item in self._items:
-                    if not await self._room_for_more():
-                        return
+                items = self._items.__aiter__()
+                while await self._room_for_more():
+                    try:
+                        item = await items.__anext__()
+                    except StopAsyncIteration:
+                        break
                     self._prepare(item)
             else:
-                for item in self._items:
-                    if not await self._room_for_more():
-                        return
+                iterator = iter(self._items)
+                while await self._room_for_more():
+                    try:
+                        item = next(iterator)
+                    except StopIteration:
+                        break
                     self._prepare(item)
         except Exception as exc:  # the caller's iterable failed: hand it over
             self._end_of_input(exc)
