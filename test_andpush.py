@@ -6,6 +6,7 @@ the ones that talk to the fake server, each asserting both what the client saw a
 the server processed.
 """
 
+import asyncio
 import base64
 import collections
 import concurrent.futures
@@ -7437,6 +7438,175 @@ class FakeFCM2Test(unittest.TestCase):
         last = client.until(_H2_GOAWAY)[3]
         self.assertEqual(int.from_bytes(last[:4], "big"), 3)
         self.assertEqual(self.server.processed, 2)
+
+
+# The asyncio client ##########################################################################
+# AsyncClient against the same fake servers: first the specifications written for Client,
+# through an adapter that drives an AsyncClient on an event loop of its own; then what only
+# asyncio has (cancellation, event loops, tasks), natively.
+
+_ADAPTER_WAIT = 10.0  # seconds one adapted call may take before the test fails instead
+
+
+class AsyncClientInThread:
+    """An AsyncClient behind the threaded Client's signatures, for the tests written for
+    Client: an event loop runs on a thread of its own, and each call runs the AsyncClient's
+    own coroutine (or method) there while the test's thread waits for it.
+
+    ``_loop`` is the AsyncClient's engine, so that FakeClock.install works on it too."""
+
+    def __init__(self, client: andpush.AsyncClient) -> None:
+        self.client = client
+        self._loop = client._loop
+        self.event_loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.event_loop.run_forever,
+                                        name="andpush-test-event-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def run(self, coroutine: Any) -> Any:
+        """Run ``coroutine`` on the event loop; its result, or its exception raised here."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.event_loop)
+        return future.result(_ADAPTER_WAIT)
+
+    def call(self, function: Callable[[], Any]) -> Any:
+        """Run a plain function on the event loop's thread: the AsyncClient's methods that
+        are not coroutines belong to its loop as well."""
+        async def called() -> Any:
+            return function()
+        return self.run(called())
+
+    def push(self, message: Any, **options: Any) -> andpush.Response:
+        return self.run(self.client.push(message, **options))  # type: ignore[no-any-return]
+
+    def push_many(self, messages: Any, **options: Any) -> "AsyncOutcomesInThread":
+        return AsyncOutcomesInThread(self, self.call(
+            lambda: self.client.push_many(messages, **options)))
+
+    def push_multicast(self, message: Any, tokens: Any,
+                       **options: Any) -> "AsyncOutcomesInThread":
+        return AsyncOutcomesInThread(self, self.call(
+            lambda: self.client.push_multicast(message, tokens, **options)))
+
+    def subscribe(self, tokens: Any, topic: str) -> List[Any]:
+        return self.run(self.client.subscribe(tokens, topic))  # type: ignore[no-any-return]
+
+    def unsubscribe(self, tokens: Any, topic: str) -> List[Any]:
+        return self.run(self.client.unsubscribe(tokens, topic))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """aclose() the client, let the tasks it ended finish, then end the event loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.run(self._aclose_and_settle())
+        finally:
+            self.event_loop.call_soon_threadsafe(self.event_loop.stop)
+            self._thread.join(_ADAPTER_WAIT)
+            self.event_loop.close()
+
+    async def _aclose_and_settle(self) -> None:
+        await self.client.aclose()
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        if others:
+            await asyncio.wait(others, timeout=_ADAPTER_WAIT)
+
+    def __enter__(self) -> "AsyncClientInThread":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncOutcomesInThread(Iterator[Tuple[Any, Any]]):
+    """AsyncClient.push_many's async iterator behind the threaded iterator's interface:
+    next() awaits __anext__, close() awaits aclose(), stop() and taken as they are, and
+    dropping it drops the async iterator on its event loop."""
+
+    def __init__(self, adapter: AsyncClientInThread, outcomes: Any) -> None:
+        self._adapter = adapter
+        self._outcomes = outcomes
+
+    def __next__(self) -> Tuple[Any, Any]:
+        ended, pair = self._adapter.run(self._next_or_end())
+        if ended:
+            raise StopIteration
+        return pair  # type: ignore[no-any-return]
+
+    async def _next_or_end(self) -> Tuple[bool, Any]:
+        try:
+            return False, await self._outcomes.__anext__()
+        except StopAsyncIteration:
+            return True, None
+
+    @property
+    def taken(self) -> int:
+        return self._adapter.call(lambda: self._outcomes.taken)  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        self._adapter.call(self._outcomes.stop)
+
+    def close(self) -> List[Tuple[Any, Any]]:
+        return self._adapter.run(self._outcomes.aclose())  # type: ignore[no-any-return]
+
+    def __del__(self) -> None:
+        held = [self._outcomes]  # the last reference, let go of on the event loop's thread
+        del self._outcomes
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs anyway
+            self._adapter.event_loop.call_soon_threadsafe(held.clear)
+
+
+class AsyncClients:
+    """Mixed in before a TestCase written for Client (ServerTestCase, V1TestCase or
+    HTTP2TestCase), it makes that TestCase's clients AsyncClients (AsyncClientInThread),
+    so its tests run unchanged against the asyncio client."""
+
+    def adapted(self: Any, client: andpush.AsyncClient) -> AsyncClientInThread:
+        adapter = AsyncClientInThread(client)
+        self.addCleanup(adapter.close)
+        return adapter
+
+    def client(self: Any, key: str = SERVER_KEY, **options: Any) -> AsyncClientInThread:
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        return self.adapted(andpush.new_async(key, **options))  # type: ignore[no-any-return]
+
+    def v1_client(self: Any, **options: Any) -> AsyncClientInThread:
+        options.setdefault("credentials", service_account_info(self.server))
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        return self.adapted(andpush.new_async(**options))  # type: ignore[no-any-return]
+
+    def h2_client(self: Any, **options: Any) -> AsyncClientInThread:
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        return self.adapted(andpush.new_async(  # type: ignore[no-any-return]
+            access_token=H2_TOKEN, project_id=TEST_PROJECT, **options))
+
+
+class AsyncPushManyHTTP11Test(AsyncClients, PushManyHTTP11Test):
+    """push_many's specification, unchanged, against AsyncClient over HTTP/1.1."""
+
+
+class AsyncPushManyHTTP2Test(AsyncClients, PushManyHTTP2Test):
+    """push_many's specification, unchanged, against AsyncClient over HTTP/2."""
+
+
+class AsyncErrorAnswerTest(AsyncClients, ErrorAnswerTest):
+    """The legacy API's error answers, unchanged, against AsyncClient."""
+
+
+class AsyncMalformedAnswerTest(AsyncClients, MalformedAnswerTest):
+    """What a broken HTTP/1.1 answer becomes, unchanged, against AsyncClient."""
+
+
+class AsyncV1ErrorTest(AsyncClients, V1ErrorTest):
+    """The v1 error table and the rejected-token refresh, unchanged, against AsyncClient."""
+
 
 
 if __name__ == "__main__":
