@@ -2696,6 +2696,9 @@ class _Loop(_Engine):
             self._lost(link, "the connection broke: %s" % _reason(exc))
 
 
+_CLOSE_GRACE = 0.25  # seconds aclose() lets connections end (TLS close_notify) before cutting
+
+
 class _AsyncLoop(_Engine):
     """The engine's asyncio driver: no threads, every connection an asyncio transport.
 
@@ -2714,6 +2717,7 @@ class _AsyncLoop(_Engine):
         self._turn_due = False
         self._timer: Optional["asyncio.TimerHandle"] = None
         self._connecting: Set["asyncio.Task[None]"] = set()
+        self._carriers: Set["_Carrier"] = set()  # connections not yet lost
         self._closed = False
 
     def bind(self) -> "asyncio.AbstractEventLoop":
@@ -2760,7 +2764,11 @@ class _AsyncLoop(_Engine):
             self._loop.call_soon(self._take_turn)
 
     async def close(self) -> None:
-        """End every connection and request; wait until the connects under way are gone."""
+        """End every connection and request; wait until the connects under way are gone
+        and every connection is closed (cut after _CLOSE_GRACE), so that none outlives
+        the event loop."""
+        import asyncio
+
         if self._closed:
             return
         self._closed = True
@@ -2770,9 +2778,13 @@ class _AsyncLoop(_Engine):
             task.cancel()
         self._abandon("the client was closed")
         if self._connecting:
-            import asyncio
-
             await asyncio.gather(*self._connecting, return_exceptions=True)
+        if self._carriers:
+            await asyncio.wait([c.lost for c in self._carriers], timeout=_CLOSE_GRACE)
+        for carrier in list(self._carriers):
+            carrier.transport.abort()
+        if self._carriers:
+            await asyncio.wait([c.lost for c in self._carriers], timeout=_CLOSE_GRACE)
 
     def _guarded(self, work: Callable[..., object], *args: Any) -> None:
         """Run engine code from a callback; if it fails (a bug), end what it held."""
@@ -2876,6 +2888,7 @@ class _Carrier:
         self._early: List[bytes] = []         # what came before the engine took the link
         self._lost: Optional[str] = None
         self._head: Optional["asyncio.Future[bytes]"] = None  # a CONNECT's answer
+        self.lost = _new_future()  # resolved by connection_lost
 
     def attach(self, link: _Link) -> None:
         """Hand everything from now on (and what came already) to the engine for ``link``."""
@@ -2904,6 +2917,7 @@ class _Carrier:
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        self._engine._carriers.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self._head is not None and not self._head.done():
@@ -2927,6 +2941,8 @@ class _Carrier:
     def connection_lost(self, exc: Optional[Exception]) -> None:
         reason = ("the connection broke: %s" % _reason(exc) if exc is not None
                   else "the server closed the connection")
+        self._engine._carriers.discard(self)
+        _resolve(self.lost)
         if self._head is not None and not self._head.done():
             self._head.set_exception(ConnectionError(reason))
         link = self._link
