@@ -2876,6 +2876,9 @@ class _Loop(_Engine):
             self._lost(link, ended)
 
 
+_CLOSE_GRACE = 0.25  # seconds aclose() lets connections end (TLS close_notify) before cutting
+
+
 class _AsyncLoop(_Engine):
     """The engine's asyncio driver: no threads, every connection an asyncio transport.
 
@@ -2894,6 +2897,7 @@ class _AsyncLoop(_Engine):
         self._turn_due = False
         self._timer: Optional["asyncio.TimerHandle"] = None
         self._connecting: Set["asyncio.Task[None]"] = set()
+        self._carriers: Set["_Carrier"] = set()  # connections not yet lost
         self._closed = False
 
     def bind(self) -> "asyncio.AbstractEventLoop":
@@ -2940,7 +2944,11 @@ class _AsyncLoop(_Engine):
             self._loop.call_soon(self._take_turn)
 
     async def close(self) -> None:
-        """End every connection and request; wait until the connects under way are gone."""
+        """End every connection and request; wait until the connects under way are gone
+        and every connection is closed (cut after _CLOSE_GRACE), so that none outlives
+        the event loop."""
+        import asyncio
+
         if self._closed:
             return
         self._closed = True
@@ -2950,9 +2958,13 @@ class _AsyncLoop(_Engine):
             task.cancel()
         self._abandon("the client was closed")
         if self._connecting:
-            import asyncio
-
             await asyncio.gather(*self._connecting, return_exceptions=True)
+        if self._carriers:
+            await asyncio.wait([c.lost for c in self._carriers], timeout=_CLOSE_GRACE)
+        for carrier in list(self._carriers):
+            carrier.transport.abort()
+        if self._carriers:
+            await asyncio.wait([c.lost for c in self._carriers], timeout=_CLOSE_GRACE)
 
     def _guarded(self, work: Callable[..., object], *args: Any) -> None:
         """Run engine code from a callback; if it fails (a bug), end what it held."""
@@ -3056,6 +3068,7 @@ class _Carrier:
         self._early: List[bytes] = []         # what came before the engine took the link
         self._lost: Optional[str] = None
         self._head: Optional["asyncio.Future[bytes]"] = None  # a CONNECT's answer
+        self.lost = _new_future()  # resolved by connection_lost
 
     def attach(self, link: _Link) -> None:
         """Hand everything from now on (and what came already) to the engine for ``link``."""
@@ -3084,6 +3097,7 @@ class _Carrier:
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
+        self._engine._carriers.add(self)
 
     def data_received(self, data: bytes) -> None:
         if self._head is not None and not self._head.done():
@@ -3107,6 +3121,8 @@ class _Carrier:
     def connection_lost(self, exc: Optional[Exception]) -> None:
         reason = ("the connection broke: %s" % _reason(exc) if exc is not None
                   else "the server closed the connection")
+        self._engine._carriers.discard(self)
+        _resolve(self.lost)
         if self._head is not None and not self._head.done():
             self._head.set_exception(ConnectionError(reason))
         link = self._link
@@ -3444,17 +3460,25 @@ class _AsyncBatch(_Batch):
         _resolve(self._room_waiter)
 
     async def _feed(self) -> None:
+        """Read and prepare until the input ends or reading stops; room is awaited before
+        each item is taken, so no item waits outside the window."""
         try:
             await self._before()
             if isinstance(self._items, AsyncIterable):
-                async for item in self._items:
-                    if not await self._room_for_more():
-                        return
+                items = self._items.__aiter__()
+                while await self._room_for_more():
+                    try:
+                        item = await items.__anext__()
+                    except StopAsyncIteration:
+                        break
                     self._prepare(item)
             else:
-                for item in self._items:
-                    if not await self._room_for_more():
-                        return
+                iterator = iter(self._items)
+                while await self._room_for_more():
+                    try:
+                        item = next(iterator)
+                    except StopIteration:
+                        break
                     self._prepare(item)
         except Exception as exc:  # the caller's iterable failed: hand it over
             self._end_of_input(exc)

@@ -6,6 +6,7 @@ the ones that talk to the fake server, each asserting both what the client saw a
 the server processed.
 """
 
+import asyncio
 import base64
 import collections
 import concurrent.futures
@@ -19,6 +20,7 @@ import inspect
 import io
 import json
 import logging
+import math
 import multiprocessing
 import os
 import pathlib
@@ -7521,6 +7523,647 @@ class FakeFCM2Test(unittest.TestCase):
         last = client.until(_H2_GOAWAY)[3]
         self.assertEqual(int.from_bytes(last[:4], "big"), 3)
         self.assertEqual(self.server.processed, 2)
+
+
+# The asyncio client ##########################################################################
+# AsyncClient against the same fake servers: first the specifications written for Client,
+# through an adapter that drives an AsyncClient on an event loop of its own; then what only
+# asyncio has (cancellation, event loops, tasks), natively.
+
+_ADAPTER_WAIT = 10.0  # seconds one adapted call may take before the test fails instead
+
+
+class AsyncClientInThread:
+    """An AsyncClient behind the threaded Client's signatures, for the tests written for
+    Client: an event loop runs on a thread of its own, and each call runs the AsyncClient's
+    own coroutine (or method) there while the test's thread waits for it.
+
+    ``_loop`` is the AsyncClient's engine, so that FakeClock.install works on it too."""
+
+    def __init__(self, client: andpush.AsyncClient) -> None:
+        self.client = client
+        self._loop = client._loop
+        self.event_loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.event_loop.run_forever,
+                                        name="andpush-test-event-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def run(self, coroutine: Any) -> Any:
+        """Run ``coroutine`` on the event loop; its result, or its exception raised here."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.event_loop)
+        return future.result(_ADAPTER_WAIT)
+
+    def call(self, function: Callable[[], Any]) -> Any:
+        """Run a plain function on the event loop's thread: the AsyncClient's methods that
+        are not coroutines belong to its loop as well."""
+        async def called() -> Any:
+            return function()
+        return self.run(called())
+
+    def push(self, message: Any, **options: Any) -> andpush.Response:
+        return self.run(self.client.push(message, **options))  # type: ignore[no-any-return]
+
+    def push_many(self, messages: Any, **options: Any) -> "AsyncOutcomesInThread":
+        return AsyncOutcomesInThread(self, self.call(
+            lambda: self.client.push_many(messages, **options)))
+
+    def push_multicast(self, message: Any, tokens: Any,
+                       **options: Any) -> "AsyncOutcomesInThread":
+        return AsyncOutcomesInThread(self, self.call(
+            lambda: self.client.push_multicast(message, tokens, **options)))
+
+    def subscribe(self, tokens: Any, topic: str) -> List[Any]:
+        return self.run(self.client.subscribe(tokens, topic))  # type: ignore[no-any-return]
+
+    def unsubscribe(self, tokens: Any, topic: str) -> List[Any]:
+        return self.run(self.client.unsubscribe(tokens, topic))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """aclose() the client, let the tasks it ended finish, then end the event loop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.run(self._aclose_and_settle())
+        finally:
+            self.event_loop.call_soon_threadsafe(self.event_loop.stop)
+            self._thread.join(_ADAPTER_WAIT)
+            self.event_loop.close()
+
+    async def _aclose_and_settle(self) -> None:
+        await self.client.aclose()
+        others = asyncio.all_tasks() - {asyncio.current_task()}
+        if others:
+            await asyncio.wait(others, timeout=_ADAPTER_WAIT)
+
+    def __enter__(self) -> "AsyncClientInThread":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncOutcomesInThread(Iterator[Tuple[Any, Any]]):
+    """AsyncClient.push_many's async iterator behind the threaded iterator's interface:
+    next() awaits __anext__, close() awaits aclose(), stop() and taken as they are, and
+    dropping it drops the async iterator on its event loop."""
+
+    def __init__(self, adapter: AsyncClientInThread, outcomes: Any) -> None:
+        self._adapter = adapter
+        self._outcomes = outcomes
+
+    def __next__(self) -> Tuple[Any, Any]:
+        ended, pair = self._adapter.run(self._next_or_end())
+        if ended:
+            raise StopIteration
+        return pair  # type: ignore[no-any-return]
+
+    async def _next_or_end(self) -> Tuple[bool, Any]:
+        try:
+            return False, await self._outcomes.__anext__()
+        except StopAsyncIteration:
+            return True, None
+
+    @property
+    def taken(self) -> int:
+        return self._adapter.call(lambda: self._outcomes.taken)  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        self._adapter.call(self._outcomes.stop)
+
+    def close(self) -> List[Tuple[Any, Any]]:
+        return self._adapter.run(self._outcomes.aclose())  # type: ignore[no-any-return]
+
+    def __del__(self) -> None:
+        held = [self._outcomes]  # the last reference, let go of on the event loop's thread
+        del self._outcomes
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing runs anyway
+            self._adapter.event_loop.call_soon_threadsafe(held.clear)
+
+
+class AsyncClients:
+    """Mixed in before a TestCase written for Client (ServerTestCase, V1TestCase or
+    HTTP2TestCase), it makes that TestCase's clients AsyncClients (AsyncClientInThread),
+    so its tests run unchanged against the asyncio client."""
+
+    def adapted(self: Any, client: andpush.AsyncClient) -> AsyncClientInThread:
+        adapter = AsyncClientInThread(client)
+        self.addCleanup(adapter.close)
+        return adapter
+
+    def client(self: Any, key: str = SERVER_KEY, **options: Any) -> AsyncClientInThread:
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        return self.adapted(andpush.new_async(key, **options))  # type: ignore[no-any-return]
+
+    def v1_client(self: Any, **options: Any) -> AsyncClientInThread:
+        options.setdefault("credentials", service_account_info(self.server))
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        return self.adapted(andpush.new_async(**options))  # type: ignore[no-any-return]
+
+    def h2_client(self: Any, **options: Any) -> AsyncClientInThread:
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        return self.adapted(andpush.new_async(  # type: ignore[no-any-return]
+            access_token=H2_TOKEN, project_id=TEST_PROJECT, **options))
+
+
+class AsyncPushManyHTTP11Test(AsyncClients, PushManyHTTP11Test):
+    """push_many's specification, unchanged, against AsyncClient over HTTP/1.1."""
+
+
+class AsyncPushManyHTTP2Test(AsyncClients, PushManyHTTP2Test):
+    """push_many's specification, unchanged, against AsyncClient over HTTP/2."""
+
+
+class AsyncErrorAnswerTest(AsyncClients, ErrorAnswerTest):
+    """The legacy API's error answers, unchanged, against AsyncClient."""
+
+
+class AsyncMalformedAnswerTest(AsyncClients, MalformedAnswerTest):
+    """What a broken HTTP/1.1 answer becomes, unchanged, against AsyncClient."""
+
+
+class AsyncV1ErrorTest(AsyncClients, V1ErrorTest):
+    """The v1 error table and the rejected-token refresh, unchanged, against AsyncClient."""
+
+
+
+_EVENTUALLY = 3.0  # seconds a native asyncio test waits for what the server will see
+_POLL = 0.002  # seconds between two looks
+
+
+async def eventually(condition: Callable[[], bool], what: str) -> None:
+    """Wait, without blocking the event loop, until ``condition()`` holds."""
+    deadline = time.monotonic() + _EVENTUALLY
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("not within %.3g s: %s" % (_EVENTUALLY, what))
+        await asyncio.sleep(_POLL)
+
+
+class HeldClock(FakeClock):
+    """A FakeClock whose waits do not pass by themselves: a timer the client sets stays
+    pending until the test moves ``time`` on (and wakes the engine)."""
+
+    def delay(self, seconds: float) -> float:
+        self.sleeps.append(seconds)
+        return seconds
+
+
+class AsyncTestCase(unittest.IsolatedAsyncioTestCase):
+    """A native asyncio test with its own FakeFCM2 (HTTP/2, or HTTP/1.1 when the client
+    offers no h2), and AsyncClients closed at the end, before the server."""
+
+    server_class: Any = FakeFCM2
+
+    def setUp(self) -> None:
+        self.server = self.server_class().start()
+        self.addCleanup(self.server.close)
+        self.addCleanup(lambda: self.assertEqual(self.server.errors, []))
+        self.server.valid_tokens.add(H2_TOKEN)
+
+    def h2_client(self, **options: Any) -> andpush.AsyncClient:
+        """An AsyncClient with a fixed access token (no token request)."""
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        client = andpush.new_async(access_token=H2_TOKEN, project_id=TEST_PROJECT, **options)
+        self.addAsyncCleanup(client.aclose)
+        return client
+
+    def v1_client(self, **options: Any) -> andpush.AsyncClient:
+        """An AsyncClient with service account credentials (tokens from the server)."""
+        options.setdefault("credentials", service_account_info(self.server))
+        options.setdefault("endpoint", self.server.endpoint)
+        options.setdefault("ssl_context", client_context())
+        options.setdefault("max_retries", 0)
+        client = andpush.new_async(**options)
+        self.addAsyncCleanup(client.aclose)
+        return client
+
+    def sends(self) -> int:
+        return len(tokens_sent(self.server))
+
+    def hold_sends_to(self, token: str) -> threading.Event:
+        """Have the server read each send to ``token`` and answer it only once the returned
+        event is set (at the end of the test at the latest). The wait holds the thread of
+        the connection: for HTTP/1.1, where each connection has its own."""
+        released = threading.Event()
+        self.addCleanup(released.set)
+        send = self.server.routes[("POST", "/v1/projects/")]
+
+        def held(request: Request) -> Reply:
+            if request.json["message"]["token"] == token:
+                released.wait(_EVENTUALLY)
+            return send(request)
+
+        self.server.routes[("POST", "/v1/projects/")] = held
+        return released
+
+    async def asyncSetUp(self) -> None:
+        # asyncio's debug mode, on in these tests, would log 1,000 coroutines started in one
+        # callback as slow.
+        asyncio.get_running_loop().slow_callback_duration = _EVENTUALLY
+
+
+def engine_route(client: andpush.AsyncClient) -> Any:
+    """The route to FCM of an AsyncClient's engine."""
+    return client._requests.route
+
+
+class AsyncCancellationTest(AsyncTestCase):
+    """A cancelled push: unsent, nothing goes out; sent, its stream or connection ends."""
+
+    async def test_cancelled_while_connecting_nothing_is_sent(self) -> None:
+        client = self.h2_client()
+        task = asyncio.ensure_future(client.push(V1_MESSAGE))
+        await asyncio.sleep(0)
+        self.assertEqual(engine_route(client).connecting, 1)  # the TLS handshake under way
+        task.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await task
+        self.assertEqual(list(engine_route(client).waiting), [])
+        # The next push goes over the connection that came up: the cancelled one before it
+        # would have been seen first.
+        await client.push({"token": "after"})
+        self.assertEqual(tokens_sent(self.server), ["after"])
+        self.assertEqual(self.server.handshakes, 1)
+
+    async def test_cancelled_while_waiting_for_a_token_nothing_is_sent(self) -> None:
+        released = threading.Event()
+        issue = self.server.routes[("POST", "/token")]
+
+        def held_token(request: Request) -> Reply:
+            released.wait(_EVENTUALLY)
+            return issue(request)
+
+        self.server.routes[("POST", "/token")] = held_token
+        client = self.v1_client()
+        task = asyncio.ensure_future(client.push({"token": "cancelled"}))
+        await eventually(lambda: self.server.processed == 1, "the token request read")
+        task.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await task
+        self.assertEqual(client._loop._needs_token, [])
+        released.set()
+        await client.push({"token": "after"})
+        self.assertEqual(tokens_sent(self.server), ["after"])
+        self.assertEqual(len(self.server.issued), 1)
+
+    async def test_cancelled_in_a_retrys_backoff_it_is_not_sent_again(self) -> None:
+        client = self.h2_client(max_retries=1)
+        clock = HeldClock.install(client)
+        self.server.inject(fcm_error(503, "UNAVAILABLE"))
+        task = asyncio.ensure_future(client.push({"token": "cancelled"}))
+        await eventually(lambda: bool(clock.sleeps), "the retry's backoff begun")
+        task.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await task
+        self.assertEqual(client._loop._timers, [])
+        clock.time += clock.sleeps[0] + 1  # the backoff is over
+        client._loop.wake()
+        await client.push({"token": "after"})
+        self.assertEqual(tokens_sent(self.server), ["cancelled", "after"])
+
+    async def test_cancelled_after_sending_over_http2_its_stream_is_reset(self) -> None:
+        self.server.by_token["slow"] = [SLOW]
+        client = self.h2_client()
+        task = asyncio.ensure_future(client.push({"token": "slow"}))
+        await eventually(lambda: self.server.processed == 1, "the request read")
+        task.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await task
+        await eventually(lambda: self.server.streams_reset_by_client == 1, "RST_STREAM")
+        self.assertEqual((await client.push({"token": "after"})).status_code, 200)
+        self.assertEqual((self.server.handshakes, self.server.processed), (1, 2))
+
+    async def test_cancelled_after_sending_over_http11_its_connection_is_closed(self) -> None:
+        answer = self.hold_sends_to("slow")
+        client = self.h2_client(http2=False)
+        task = asyncio.ensure_future(client.push({"token": "slow"}))
+        await eventually(lambda: self.server.processed == 1, "the request read")
+        task.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await task
+        self.assertEqual(engine_route(client).links(), [])
+        answer.set()  # into a closed connection
+        await eventually(lambda: not self.server._live, "the connection closed")
+        self.assertEqual((await client.push({"token": "after"})).status_code, 200)
+        self.assertEqual((self.server.handshakes, self.server.processed), (2, 2))
+
+    async def test_cancelling_the_consumer_of_push_many_stops_new_sends(self) -> None:
+        self.server.reply_delay = 0.002
+        client = self.h2_client()
+        messages = CountingMessages(1000)
+        seen: List[Tuple[Any, Any]] = []
+        ten = asyncio.Event()
+
+        async def consume() -> None:
+            async for pair in client.push_many(messages, concurrency=4):
+                seen.append(pair)
+                if len(seen) == 10:
+                    ten.set()
+
+        consumer = asyncio.ensure_future(consume())
+        await ten.wait()
+        consumer.cancel()
+        with self.assertRaises(asyncio.CancelledError):
+            await consumer
+        self.assertLessEqual(messages.taken, len(seen) + 4 * andpush._WINDOW_PER_WORKER)
+        await eventually(lambda: not client._loop._batches, "the batch ended")
+        sent = self.sends()
+        self.assertLessEqual(sent, len(seen) + 4)  # what was in flight, no more
+        await asyncio.sleep(0.02)
+        self.assertEqual(self.sends(), sent)
+
+
+class AsyncClientLifeTest(AsyncTestCase):
+    """A client belongs to one event loop, and closing it leaves nothing behind."""
+
+    async def test_a_second_event_loop_gets_a_clear_runtime_error(self) -> None:
+        client = self.h2_client()
+        await client.push(V1_MESSAGE)
+        caught: List[BaseException] = []
+
+        def elsewhere() -> None:
+            async def push() -> None:
+                await client.push(V1_MESSAGE)
+            try:
+                asyncio.run(push())
+            except BaseException as exc:  # noqa: BLE001 (handed to the test's thread)
+                caught.append(exc)
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join(_EVENTUALLY)
+        self.assertEqual([type(e) for e in caught], [RuntimeError])
+        self.assertIn("one client per event loop", str(caught[0]))
+        self.assertEqual(self.server.processed, 1)
+        self.assertEqual((await client.push(V1_MESSAGE)).status_code, 200)  # still its own
+
+    async def test_a_closed_client_raises_value_error(self) -> None:
+        client = self.h2_client()
+        await client.aclose()
+        with self.assertRaisesRegex(ValueError, "closed"):
+            await client.push(V1_MESSAGE)
+        with self.assertRaisesRegex(ValueError, "closed"):
+            client.push_many([V1_MESSAGE])
+        await client.aclose()  # again: nothing to do
+        self.assertEqual(self.server.processed, 0)
+
+    async def test_async_with_closes_the_client_and_its_connections(self) -> None:
+        async with self.h2_client() as client:
+            await client.push(V1_MESSAGE)
+        await eventually(lambda: not self.server._live, "the connection closed")
+        self.assertEqual(self.server.goaways_received, 1)
+        with self.assertRaises(ValueError):
+            await client.push(V1_MESSAGE)
+
+    async def test_after_aclose_no_task_is_left_and_the_server_sees_every_connection_closed(
+            self) -> None:
+        h2 = self.h2_client()
+        h1 = self.h2_client(http2=False)
+        self.server.by_token["slow"] = [SLOW]
+        answer = self.hold_sends_to("held")
+        await asyncio.gather(h2.push(V1_MESSAGE), h1.push(V1_MESSAGE))
+        outcomes = h2.push_many(CountingMessages(1000), concurrency=2)
+        await outcomes.__anext__()
+        slow = [asyncio.ensure_future(h1.push({"token": "held"})),
+                asyncio.ensure_future(h2.push({"token": "slow"}))]
+        await eventually(lambda: self.server.processed >= 5, "the slow requests read")
+        closing = asyncio.gather(h1.aclose(), h2.aclose())
+        await asyncio.sleep(0)  # each has ended its requests, and waits for its connections
+        answer.set()  # into a closed connection, so the server reads on and sees it closed
+        await closing
+        for push in slow:
+            with self.assertRaises(andpush.NetworkError) as caught:
+                await push
+            self.assertTrue(caught.exception.may_have_been_delivered)
+        self.assertEqual(asyncio.all_tasks() - {asyncio.current_task()}, set())
+        await eventually(lambda: not self.server._live, "every connection closed")
+
+
+class AsyncRunTest(unittest.TestCase):
+    """A client used as asyncio.run's examples do: made, used and closed in one run."""
+
+    def test_async_with_inside_asyncio_run_leaves_no_socket_open(self) -> None:
+        async def main(server: FakeFCM, http2: bool) -> None:
+            async with andpush.new_async(SERVER_KEY, endpoint=server.endpoint, http2=http2,
+                                         ssl_context=client_context()) as client:
+                await asyncio.gather(*[client.push(LEGACY_MESSAGE) for _ in range(5)])
+
+        for http2 in (True, False):
+            with self.subTest(http2=http2), FakeFCM2() as server, \
+                    warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ResourceWarning)
+                asyncio.run(main(server, http2))
+                gc.collect()
+                self.assertEqual([str(w.message) for w in caught
+                                  if w.category is ResourceWarning], [])
+                self.assertEqual(server.processed, 5)
+
+
+class AsyncConcurrencyTest(AsyncTestCase):
+    async def test_a_thousand_concurrent_pushes_over_http2_share_few_connections(self) -> None:
+        asyncio.get_running_loop().set_debug(False)  # its bookkeeping would triple the time
+        client = self.h2_client()
+        answers = await asyncio.gather(*[client.push({"token": "t%d" % i})
+                                         for i in range(1000)])
+        self.assertEqual({a.status_code for a in answers}, {200})
+        streams = self.server.max_concurrent_streams
+        self.assertLessEqual(self.server.handshakes, math.ceil(1000 / streams) + 1)
+        self.assertEqual(sent_counts(self.server), {"t%d" % i: 1 for i in range(1000)})
+
+
+class AsyncTokenTest(AsyncTestCase):
+    """Tokens and project ids are asked once, however many coroutines need them."""
+
+    async def test_sixteen_coroutines_cause_one_token_request(self) -> None:
+        client = self.v1_client()
+        await asyncio.gather(*[client.push(V1_MESSAGE) for _ in range(16)])
+        self.assertEqual(len(self.server.issued), 1)
+        self.assertEqual(self.server.processed, 17)
+
+    async def test_a_rejected_token_is_refreshed_once_for_every_push_it_failed(self) -> None:
+        client = self.v1_client()
+        await client.push(V1_MESSAGE)
+        self.server.revoke_tokens()
+        answers = await asyncio.gather(*[client.push({"token": "t%d" % i}) for i in range(8)])
+        self.assertEqual({a.status_code for a in answers}, {200})
+        self.assertEqual(len(self.server.issued), 2)
+        self.assertEqual(sent_counts(self.server),
+                         dict({"t%d" % i: 2 for i in range(8)}, **{TOKEN: 1}))
+
+
+class AsyncMetadataServerTest(AsyncTestCase):
+    server_class = FakeGoogle
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.metadata = FakeGoogle(tls=False).start()
+        self.addCleanup(self.metadata.close)
+        self.server.valid_tokens = self.metadata.valid_tokens  # the same Google behind both
+        home = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, home)
+        keys = ("GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GOOGLE_CLOUD_PROJECT",
+                "GCLOUD_PROJECT", "APPDATA")
+        context = environment(HOME=home, GCE_METADATA_HOST="127.0.0.1:%d" % self.metadata.port,
+                              **{key: "" for key in keys})
+        context.__enter__()
+        self.addCleanup(context.__exit__, None, None, None)
+
+    async def test_the_project_id_and_the_token_are_asked_once_for_many_coroutines(
+            self) -> None:
+        client = andpush.new_async(endpoint=self.server.endpoint, ssl_context=client_context(),
+                                   max_retries=0)
+        self.addAsyncCleanup(client.aclose)
+        await asyncio.gather(*[client.push(V1_MESSAGE) for _ in range(8)])
+        paths = [r.path for r in self.metadata.requests]
+        self.assertEqual(sorted(paths), sorted([
+            "/computeMetadata/v1/project/project-id",
+            "/computeMetadata/v1/instance/service-accounts/default/token"]))
+        self.assertEqual({r.path for r in self.server.requests},
+                         {"/v1/projects/metadata-project/messages:send"})
+        self.assertEqual(self.server.processed, 8)
+
+
+class AsyncPushManyInputTest(AsyncTestCase):
+    """push_many over an async iterable: read lazily, and its failure handed over."""
+
+    async def test_an_async_iterable_is_read_lazily_within_the_window(self) -> None:
+        taken = []
+
+        async def messages() -> Any:
+            for i in range(200):
+                taken.append(i)
+                yield {"token": "t%d" % i}
+
+        outcomes = self.h2_client().push_many(messages(), concurrency=2)
+        self.assertIsInstance((await outcomes.__anext__())[1], andpush.Response)
+        await asyncio.sleep(0.05)  # a slow consumer: the reading must stop a window ahead
+        self.assertLessEqual(len(taken), 1 + 2 * andpush._WINDOW_PER_WORKER)
+        rest = [pair async for pair in outcomes]
+        self.assertEqual([m["token"] for m, _ in rest], ["t%d" % i for i in range(1, 200)])
+        self.assertEqual(len(taken), 200)
+
+    async def test_an_async_iterable_that_fails_ends_the_iteration_after_its_pairs(
+            self) -> None:
+        async def messages() -> Any:
+            yield {"token": "a"}
+            await asyncio.sleep(0)
+            yield {"token": "b"}
+            raise RuntimeError("the database went away")
+
+        pairs = []
+        with self.assertRaisesRegex(RuntimeError, "database"):
+            async for pair in self.h2_client().push_many(messages(), concurrency=2):
+                pairs.append(pair)
+        self.assertEqual([m["token"] for m, _ in pairs], ["a", "b"])
+        self.assertTrue(all(isinstance(o, andpush.Response) for _, o in pairs))
+
+
+class AsyncProxyTest(AsyncTestCase):
+    """CONNECT proxies carry both protocols; a refused tunnel leaves nothing behind."""
+
+    async def test_a_connect_proxy_carries_http2_and_http11(self) -> None:
+        with ConnectProxy() as proxy:
+            for http2 in (True, False):
+                async with self.h2_client(proxy="http://127.0.0.1:%d" % proxy.port,
+                                          http2=http2) as client:
+                    await client.push(V1_MESSAGE)
+                    await client.push(V1_MESSAGE)
+            await eventually(lambda: not self.server._live, "the tunnels closed")
+        self.assertEqual(self.server.protocols, ["h2", None])
+        self.assertEqual(proxy.targets, ["127.0.0.1:%d" % self.server.port] * 2)
+        self.assertEqual(self.server.processed, 4)
+
+    async def test_a_refused_connect_is_a_network_error_and_leaves_no_socket(self) -> None:
+        with ConnectProxy(status=407) as proxy:
+            client = self.h2_client(proxy="http://127.0.0.1:%d" % proxy.port)
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                warnings.simplefilter("always", ResourceWarning)
+                with self.assertRaises(andpush.NetworkError) as caught:
+                    await client.push(V1_MESSAGE)
+                await client.aclose()
+                gc.collect()
+        self.assertFalse(caught.exception.may_have_been_delivered)
+        self.assertIn("the proxy 127.0.0.1:%d" % proxy.port, str(caught.exception))
+        self.assertEqual([str(w.message) for w in caught_warnings
+                          if w.category is ResourceWarning], [])
+        self.assertEqual(engine_route(client).connections(), 0)
+        self.assertEqual(self.server.connections, 0)
+
+
+class AsyncEngineFailureTest(AsyncTestCase):
+    async def test_a_failure_inside_the_engine_ends_each_held_message_and_the_client_recovers(
+            self) -> None:
+        self.server.reply_delay = 0.02
+        client = self.h2_client()
+        await client.push(V1_MESSAGE)
+        fire_timers = andpush._AsyncLoop._fire_timers
+        calls = []
+
+        def fails_once(loop: andpush._AsyncLoop, now: float) -> None:
+            calls.append(now)
+            if len(calls) == 3:
+                raise RuntimeError("a bug in the engine")
+            fire_timers(loop, now)
+
+        messages = CountingMessages(20)
+        outcomes: List[Any] = []
+        with unittest.mock.patch.object(andpush._AsyncLoop, "_fire_timers", fails_once), \
+                self.assertLogs("andpush", "ERROR"):
+            try:
+                async for pair in client.push_many(messages):
+                    outcomes.append(pair)
+            except andpush.NetworkError as exc:  # the input the engine never read
+                self.assertFalse(exc.may_have_been_delivered)
+        # A pair for each message read, but the one being read as the engine went away.
+        self.assertIn(len(outcomes), (messages.taken, messages.taken - 1))
+        self.assertTrue(any(isinstance(o, andpush.NetworkError) for _, o in outcomes))
+        sent = sent_counts(self.server)
+        for i, (message, outcome) in enumerate(outcomes):
+            self.assertEqual(message, {"token": "t%d" % i})
+            if not isinstance(outcome, andpush.Response):
+                self.assertIsInstance(outcome, andpush.NetworkError)
+                if not outcome.may_have_been_delivered:
+                    self.assertEqual(sent["t%d" % i], 0)
+        self.assertEqual((await client.push(V1_MESSAGE)).status_code, 200)
+
+
+class AsyncFakeClockTest(AsyncTestCase):
+    """The FakeClock drives the asyncio client's waits: none is really slept."""
+
+    async def test_backoff_waits_on_the_clock_only(self) -> None:
+        client = self.h2_client(max_retries=2, backoff_factor=10.0)
+        clock = FakeClock.install(client)
+        self.server.inject(fcm_error(503, "UNAVAILABLE"), fcm_error(500, "INTERNAL"))
+        started = time.monotonic()
+        self.assertEqual((await client.push(V1_MESSAGE)).status_code, 200)
+        self.assertLess(time.monotonic() - started, 1.0)
+        self.assertEqual(len(clock.sleeps), 2)
+        self.assertGreaterEqual(sum(clock.sleeps), 5.0 + 10.0)
+        self.assertEqual(self.server.processed, 3)
+
+    async def test_the_429_pause_holds_every_send_until_the_clock_passes_it(self) -> None:
+        client = self.h2_client()
+        clock = FakeClock.install(client)
+        self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"))
+        with self.assertRaises(andpush.QuotaExceededError):
+            await client.push(V1_MESSAGE)
+        with self.assertRaisesRegex(andpush.QuotaExceededError, "not sent"):
+            await client.push(V1_MESSAGE)
+        self.assertEqual(self.server.processed, 1)
+        clock.time += 30
+        self.assertEqual((await client.push(V1_MESSAGE)).status_code, 200)
+        self.assertEqual(self.server.processed, 2)
+
 
 
 if __name__ == "__main__":
