@@ -12,11 +12,12 @@
             ...                           # a Response, or the error for that message
 
 One module, standard library only, Python 3.8+. Every request of a client goes
-through its one I/O thread, which keeps the connections alive for the client's life:
+through its one engine, which keeps the connections alive for the client's life:
 over HTTP/2 (what FCM picks) every thread's pushes and push_many share a few
 multiplexed connections, up to the server's stream limit; over HTTP/1.1 each request
-takes a kept-alive connection of its own. The OAuth2 tokens of the HTTP v1 API are
-signed in pure Python.
+takes a kept-alive connection of its own. ``andpush.new_async`` makes the same client
+for asyncio, with no thread. The OAuth2 tokens of the HTTP v1 API are signed in pure
+Python.
 
 ``andpush.new(server_key)`` makes a client of the legacy API instead
 (``andpush.build`` is another name for ``new``).
@@ -1796,7 +1797,7 @@ class _H2Connection:
 
 
 # Transport ###################################################################
-# One I/O thread per client and process: it owns every connection and runs every request.
+# One engine per client: it owns every connection and runs every request; drivers do the I/O.
 
 _RECV_SIZE = 256 * 1024
 _WRITE_SIZE = 64 * 1024
@@ -4669,8 +4670,8 @@ class _Requests:
 
 
 class Client:
-    """A thread-safe FCM client: every request goes through one I/O thread that keeps
-    the connections alive for the client's life (HTTP/2 ones shared by all callers).
+    """A thread-safe FCM client: every request goes through one engine that keeps the
+    connections alive for the client's life (HTTP/2 ones shared by all callers).
 
     Make one with ``andpush.new(...)``, share it between threads, and close it (or use
     ``with``) when done. In a forked child it opens connections of its own.
@@ -4718,7 +4719,8 @@ class Client:
         iterator stops reading and starts nothing more, without waiting.
 
         Over HTTP/2 the messages share the client's connections, up to each server's
-        stream limit. ``progress(done, failed)`` is called from andpush's threads.
+        stream limit. ``progress(done, failed)`` is called from the thread running
+        andpush's I/O (its own, or one waiting in ``push()``).
         """
         _check_number("concurrency", concurrency, minimum=1, integer=True)
         make = self._requests.exchange
@@ -4790,7 +4792,7 @@ def _already_subscribed(outcome: Outcome) -> Outcome:
 
 class _Outcomes(Iterator[Tuple[Any, Outcome]]):
     """What push_many returns: a ``(message, outcome)`` pair per message, in input order,
-    as the I/O thread ends them.
+    as the engine ends them.
 
     ``close()`` stops reading the input and returns the pairs not yet yielded, once every
     message already read has been sent and answered; ``stop()`` stops reading and lets the
