@@ -2940,9 +2940,10 @@ class _AsyncLoop(_Engine):
         self._guarded(self._add_batch, batch)
 
     def wake(self) -> None:
-        if not self._turn_due and self._loop is not None and not self._closed:
+        loop = self._loop
+        if not (self._turn_due or loop is None or self._closed or loop.is_closed()):
             self._turn_due = True
-            self._loop.call_soon(self._take_turn)
+            loop.call_soon(self._take_turn)
 
     async def close(self) -> None:
         """End every connection and request; wait until the connects under way are gone
@@ -3527,8 +3528,8 @@ class _AsyncBatch(_Batch):
 
     def discard(self) -> None:
         super().discard()
-        if self._feeder is not None:
-            self._feeder.cancel()
+        if self._feeder is not None and not self._feeder.get_loop().is_closed():
+            self._feeder.cancel()  # it may wait on the caller's async iterable
 
 
 def _new_future() -> "asyncio.Future[None]":
