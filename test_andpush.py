@@ -7968,6 +7968,24 @@ class AsyncRunTest(unittest.TestCase):
                                   if w.category is ResourceWarning], [])
                 self.assertEqual(server.processed, 5)
 
+    def test_a_push_many_dropped_after_its_event_loop_closed_is_dropped_quietly(self) -> None:
+        kept: List[Any] = []
+
+        async def main(server: FakeFCM) -> None:
+            client = andpush.new_async(SERVER_KEY, endpoint=server.endpoint,
+                                       ssl_context=client_context())
+            kept.append(client.push_many({"to": "t%d" % i} for i in range(100)))
+            await asyncio.sleep(0)  # and the client is never closed: the script forgot
+
+        unraisable: List[Any] = []
+        with FakeFCM2() as server, warnings.catch_warnings(), \
+                unittest.mock.patch.object(sys, "unraisablehook", unraisable.append):
+            warnings.simplefilter("ignore", ResourceWarning)  # the unclosed client's, rightly
+            asyncio.run(main(server))
+            kept.clear()
+            gc.collect()
+        self.assertEqual(unraisable, [])
+
 
 class AsyncConcurrencyTest(AsyncTestCase):
     async def test_a_thousand_concurrent_pushes_over_http2_share_few_connections(self) -> None:
