@@ -2573,6 +2573,7 @@ class _Loop(_Engine):
         self._selector: Optional[selectors.BaseSelector] = None  # while connections are open
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
+        self._selecting = False  # the running thread waits in select: the state is whole
 
     # Any thread -------------------------------------------------------------------
 
@@ -2707,11 +2708,20 @@ class _Loop(_Engine):
             self._poll()
             while exchange.outcome is None and self._step(exchange):
                 pass
-        except BaseException as exc:  # a bug, or Ctrl-C: no exchange held may lose its outcome
-            self._crashed(exc)
+        except BaseException as exc:
+            if self._selecting and not isinstance(exc, Exception):
+                self._selecting = False  # Ctrl-C while waiting: all is in order, go on
+                self._leave()
+            else:  # a bug, or Ctrl-C mid-turn: no exchange held may lose its outcome
+                self._crashed(exc)
             if not isinstance(exc, Exception):
                 raise
             return
+        self._leave()
+
+    def _leave(self) -> None:
+        """The caller stops running the loop: a background thread takes over what is left
+        (the push that stopped waiting included), or the loop parks."""
         with self._lock:
             if self._thread is not threading.current_thread():
                 return  # the loop parked in its last step (closed)
@@ -2771,8 +2781,10 @@ class _Loop(_Engine):
             return True
         if not self._has_work():
             timeout = 0.0  # the next step parks, unless work came meanwhile
-        assert self._selector is not None
-        self._dispatch(self._selector.select(timeout))
+        self._selecting = True
+        ready = self._sel().select(timeout)
+        self._selecting = False
+        self._dispatch(ready)
         return True
 
     def _dispatch(self, ready: List[Tuple[selectors.SelectorKey, int]]) -> None:

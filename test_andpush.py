@@ -6859,6 +6859,28 @@ class EngineTest(HTTP2TestCase):
         self.assertEqual(self.server.processed, 70)
         self.assertEqual(self.server.handshakes, 1)
 
+    def test_ctrl_c_in_a_push_leaves_its_request_to_the_io_thread_and_the_client_usable(
+            self) -> None:
+        client = self.h2_client()
+        client.push(V1_MESSAGE)  # connected: the next push waits only for its answer
+        self.server.reply_delay = 0.2
+
+        def interrupt(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        self.addCleanup(signal.signal, signal.SIGALRM, previous)
+        errors: List[logging.LogRecord] = []
+        handler = logging.Handler(logging.ERROR)
+        handler.emit = errors.append  # type: ignore[method-assign]
+        logging.getLogger("andpush").addHandler(handler)
+        self.addCleanup(logging.getLogger("andpush").removeHandler, handler)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with self.assertRaises(KeyboardInterrupt):
+            client.push(V1_MESSAGE)  # the caller runs the loop, and is waiting in select
+        self.assertEqual(client.push(V1_MESSAGE).status_code, 200)
+        self.assertEqual(self.server.processed, 3)  # the interrupted one too, once
+        self.assertEqual(errors, [])  # nothing failed: the loop went on on another thread
+
     def test_no_thread_waits_beside_idle_connections_and_one_idle_too_long_is_replaced(
             self) -> None:
         client = self.h2_client(keep_alive_timeout=0.05)
