@@ -13,6 +13,7 @@ import contextlib
 import copy
 import datetime
 import email.utils
+import functools
 import gc
 import hashlib
 import inspect
@@ -1930,6 +1931,31 @@ def environment(**variables: str) -> Iterator[None]:
             os.environ.pop(name, None)
             if value is not None:
                 os.environ[name] = value
+
+
+# Child interpreters ###########################################################################
+# The few tests that need a fresh interpreter start it with -S (andpush needs nothing from
+# site-packages) and let the children share one bytecode cache in a temporary folder, so that
+# only the first child compiles andpush.py, even where PYTHONDONTWRITEBYTECODE is set.
+
+@functools.lru_cache(maxsize=None)
+def _child_bytecode_folder() -> "tempfile.TemporaryDirectory[str]":
+    """The children's shared bytecode cache, removed when the test run ends."""
+    return tempfile.TemporaryDirectory(prefix="andpush-test-bytecode-")
+
+
+def python_command(*args: str) -> List[str]:
+    """The command line of a child interpreter running ``args``."""
+    return [sys.executable, "-S", *args]
+
+
+def child_environment(env: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """``env`` (default: this process's) for a child, using the shared bytecode cache."""
+    env = dict(os.environ if env is None else env)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = _child_bytecode_folder().name
+    return env
+
 
 # RS256 signing and private-key parsing ####################################################
 # Signatures are checked with pow(signature, e, n), independently of the signing code.
@@ -4796,8 +4822,8 @@ class ImportCostTest(unittest.TestCase):
             "print(' '.join(sorted(set(%r) & (set(sys.modules) - before))))"
             % (os.path.dirname(os.path.abspath(andpush.__file__)), self.LAZY)
         )
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                              timeout=30, check=True)
+        done = subprocess.run(python_command("-c", probe), env=child_environment(),
+                              capture_output=True, text=True, timeout=30, check=True)
         self.assertEqual(done.stdout.strip(), "")
 
     def test_a_retry_after_date_still_parses(self) -> None:
@@ -4892,11 +4918,11 @@ class CliTestCase(unittest.TestCase):
 
     def andpush_process(self, *args: str, stdin: str = "", server_key: str = "",
                         options: Optional[List[str]] = None) -> "subprocess.CompletedProcess[str]":
-        """Run ``python -m andpush`` in a subprocess, as a user runs it."""
+        """Run ``python -S -m andpush`` in a subprocess, as a user runs it."""
         argv, env = self.argv(args, server_key, options)
         return subprocess.run(
-            [sys.executable, "-m", "andpush", *argv], input=stdin, cwd=_REPO,
-            env=env, capture_output=True, text=True, timeout=_CLI_TIMEOUT,
+            python_command("-m", "andpush", *argv), input=stdin, cwd=_REPO,
+            env=child_environment(env), capture_output=True, text=True, timeout=_CLI_TIMEOUT,
         )
 
     def assertExit(self, result: "subprocess.CompletedProcess[str]", status: int) -> None:
@@ -5144,12 +5170,12 @@ class CliSignalTest(CliTestCase):
                 self.server.by_token["t%d" % i] = [fcm_error(404, "UNREGISTERED")]
         tokens = self.write("tokens.txt", "".join("t%d\n" % i for i in range(count)))
         process = subprocess.Popen(
-            [sys.executable, "-m", "andpush", "send-many", "--tokens", tokens,
+            python_command("-m", "andpush", "send-many", "--tokens", tokens,
              "--results", os.path.join(self.folder, "results.jsonl"),
              "--unregistered", os.path.join(self.folder, "dead.txt"),
-             "--concurrency", str(concurrency), "--title", "Hi", *self.options()],
-            cwd=_REPO, env=self.environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True,
+             "--concurrency", str(concurrency), "--title", "Hi", *self.options()),
+            cwd=_REPO, env=child_environment(self.environment()), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
             # Python turns SIGINT into KeyboardInterrupt only when it is not ignored.
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
@@ -5430,7 +5456,7 @@ class CliClosedOutputTest(CliTestCase):
         argv, env = self.argv(("send-many", "--tokens", tokens, "--results", "-", "--title",
                                "Hi", "--quiet"), "", None)
         process = subprocess.Popen(
-            [sys.executable, "-m", "andpush", *argv], cwd=_REPO, env=env,
+            python_command("-m", "andpush", *argv), cwd=_REPO, env=child_environment(env),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self.addCleanup(process.kill)
@@ -5525,8 +5551,9 @@ class CliProxyTest(CliTestCase):
 class CliImportTest(unittest.TestCase):
     def test_importing_the_library_does_not_import_argparse(self) -> None:
         done = subprocess.run(
-            [sys.executable, "-c", "import sys, andpush; print('argparse' in sys.modules)"],
-            cwd=_REPO, capture_output=True, text=True, timeout=_CLI_TIMEOUT,
+            python_command("-c", "import sys, andpush; print('argparse' in sys.modules)"),
+            cwd=_REPO, env=child_environment(), capture_output=True, text=True,
+            timeout=_CLI_TIMEOUT,
         )
         self.assertEqual((done.stdout, done.stderr), ("False\n", ""))
 
