@@ -272,8 +272,12 @@ def client_context() -> ssl.SSLContext:
     return ssl.create_default_context(cadata=TEST_CA_PEM)
 
 
-def server_context() -> ssl.SSLContext:
-    """A fresh server context with the test certificate; TLS 1.3 and its session tickets on."""
+@functools.lru_cache(maxsize=None)
+def server_context(alpn: Tuple[str, ...] = ()) -> ssl.SSLContext:
+    """The server context with the test certificate offering the ALPN protocols alpn (none:
+    no ALPN); TLS 1.3 and its session tickets on. Made once per alpn and shared by the fake
+    servers: loading the certificate costs more than most tests' own work, and no client
+    offers one server a session from another (each test makes its own client contexts)."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     # load_cert_chain() reads only files, on every Python this suite supports.
     with tempfile.TemporaryDirectory() as directory:
@@ -283,6 +287,8 @@ def server_context() -> ssl.SSLContext:
             with open(path, "w") as file:
                 file.write(text)
         context.load_cert_chain(cert_file, key_file)
+    if alpn:
+        context.set_alpn_protocols(list(alpn))
     return context
 
 
@@ -1428,7 +1434,9 @@ class BadInputTest(ServerTestCase):
         for options, error, fragment in table:
             with self.subTest(options):
                 with self.assertRaisesRegex(error, fragment):
-                    andpush.new(**options)
+                    # A good context where the row is not about it: the default one would
+                    # load the system's CA store (30 ms) each time.
+                    andpush.new(**{"ssl_context": client_context(), **options})
 
     def test_bad_messages_are_refused_before_any_connection(self) -> None:
         client = self.client()
@@ -1610,7 +1618,8 @@ class ConnectFailureTest(unittest.TestCase):
         with socket.socket() as unused:
             unused.bind(("127.0.0.1", 0))
             port = unused.getsockname()[1]
-        client = andpush.new(SERVER_KEY, endpoint="https://127.0.0.1:%d" % port, max_retries=0)
+        client = andpush.new(SERVER_KEY, endpoint="https://127.0.0.1:%d" % port, max_retries=0,
+                             ssl_context=client_context())
         with self.assertRaises(andpush.NetworkError) as caught:
             client.push(LEGACY_MESSAGE)
         self.assertFalse(caught.exception.may_have_been_delivered)
@@ -4207,7 +4216,7 @@ class BrokenCredentialsTest(unittest.TestCase):
         for credentials, fragment in table:
             with self.subTest(fragment):
                 with self.assertRaisesRegex(andpush.AuthError, fragment) as caught:
-                    andpush.new(credentials=credentials)
+                    andpush.new(credentials=credentials, ssl_context=client_context())
                 self.assertNotIn("MII", str(caught.exception))
 
 
@@ -4664,7 +4673,7 @@ class RetryTest(V1TestCase):
             unused.bind(("127.0.0.1", 0))
             port = unused.getsockname()[1]
         client = andpush.new(SERVER_KEY, endpoint="https://127.0.0.1:%d" % port,
-                             max_retries=2, backoff_factor=0.001)
+                             max_retries=2, backoff_factor=0.001, ssl_context=client_context())
         clock = FakeClock.install(client)
         with self.assertRaises(andpush.NetworkError) as caught:
             client.push(LEGACY_MESSAGE)
@@ -5905,7 +5914,7 @@ class FakeFCM2(FakeGoogle):
     def __init__(self, alpn: Tuple[str, ...] = ("h2",), max_concurrent_streams: int = 100) -> None:
         super().__init__(tls=True)
         self.alpn = tuple(alpn)
-        self.ssl_context.set_alpn_protocols(list(self.alpn))
+        self.ssl_context = server_context(self.alpn)
         # What tests set; read when each connection starts.
         # MAX_CONCURRENT_STREAMS in the server's first SETTINGS. Limits bind once the client
         # has ACKed the SETTINGS that set them (before that it may use the old value): a
