@@ -672,6 +672,13 @@ class FakeFCM:
         """How many requests the server has read whole (len(self.requests))."""
         return len(self.requests)
 
+    @property
+    def open_connections(self) -> int:
+        """How many connections are open; one the server closed is no longer counted once
+        its close_notify (if any) and FIN are sent."""
+        with self._lock:
+            return len(self._live)
+
     # Default answers ------------------------------------------------------------------------------
 
     def dispatch(self, request: Request) -> Reply:
@@ -1099,6 +1106,22 @@ def response(status: int, body: Any = None, **headers: str) -> andpush.Response:
     return andpush.Response(status, "Reason", andpush.Headers(names), raw)
 
 
+_WAIT_LIMIT = 5.0  # seconds wait_until() waits for a condition before the test fails
+_WAIT_STEP = 0.002  # seconds between two looks at the condition
+
+
+def wait_until(condition: Callable[[], bool], limit: float = _WAIT_LIMIT) -> bool:
+    """Whether condition() became true within limit seconds: a wait as long as it needs to
+    be, instead of a fixed sleep that is too long on a quiet machine or too short on a busy
+    one. Use as self.assertTrue(wait_until(...))."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_WAIT_STEP)
+    return True
+
+
 class ServerTestCase(unittest.TestCase):
     """A test with its own fake server, and clients that are closed at the end."""
 
@@ -1469,7 +1492,7 @@ class KeepAliveTest(ServerTestCase):
         # TLS 1.3 session tickets make an idle socket readable; that is not a dead connection.
         client = self.client()
         client.push(LEGACY_MESSAGE)
-        time.sleep(0.2)
+        time.sleep(0.05)  # the tickets came with the handshake: long since in the socket
         client.push(LEGACY_MESSAGE)
         self.assertEqual(self.server.handshakes, 1)
 
@@ -1491,8 +1514,9 @@ class KeepAliveTest(ServerTestCase):
 
     def test_idle_longer_than_keep_alive_timeout_is_replaced(self) -> None:
         client = self.client(keep_alive_timeout=0.05)
+        clock = FakeClock.install(client)
         client.push(LEGACY_MESSAGE)
-        time.sleep(0.15)
+        clock.time += 0.15  # idle that long, by the client's clock
         client.push(LEGACY_MESSAGE)
         self.assertEqual((self.server.handshakes, self.server.processed), (2, 2))
 
@@ -1539,10 +1563,10 @@ class ServerClosesConnectionTest(ServerTestCase):
     """Connections the server closed are replaced; a request is never lost or duplicated."""
 
     def test_idle_close_with_close_notify_is_detected_before_reuse(self) -> None:
-        self.server.close_idle_after = 0.1
+        self.server.close_idle_after = 0.05
         client = self.client()
         client.push(LEGACY_MESSAGE)
-        time.sleep(0.3)
+        self.assertTrue(wait_until(lambda: self.server.open_connections == 0))
         client.push(LEGACY_MESSAGE)
         self.assertEqual((self.server.handshakes, self.server.processed), (2, 2))
 
@@ -1551,7 +1575,7 @@ class ServerClosesConnectionTest(ServerTestCase):
         client = self.client()
         for _ in range(3):
             client.push(LEGACY_MESSAGE)
-            time.sleep(0.05)
+            self.assertTrue(wait_until(lambda: self.server.open_connections == 0))
         self.assertEqual((self.server.handshakes, self.server.processed), (3, 3))
 
     def test_close_right_after_each_answer_in_a_tight_loop(self) -> None:
@@ -1576,7 +1600,7 @@ class ServerClosesConnectionTest(ServerTestCase):
         client = self.client()
         client.push(LEGACY_MESSAGE)
         client.push(LEGACY_MESSAGE)  # answered, then the server closes
-        time.sleep(0.1)
+        self.assertTrue(wait_until(lambda: self.server.open_connections == 0))
         read = andpush._Loop._read
 
         def blind_to_idle_links(loop: andpush._Loop, link: andpush._Link) -> None:
@@ -1658,7 +1682,7 @@ class MalformedAnswerTest(ServerTestCase):
 
     def test_timeout(self) -> None:
         self.server.slow_seconds = 1.0
-        self.assert_delivered_maybe(SLOW, timeout=0.2)
+        self.assert_delivered_maybe(SLOW, timeout=0.05)
 
     def test_malformed_status_line(self) -> None:
         self.assert_delivered_maybe(MALFORMED_STATUS)
@@ -4097,7 +4121,8 @@ class TokenTest(V1TestCase):
         self.assertEqual(self.server.processed, 4)
 
     def test_sixteen_threads_cause_one_token_request(self) -> None:
-        self.server.reply_delay = 0.05
+        self.server.slow_seconds = 0.05
+        self.server.inject(SLOW)  # the first request: the token's, which all wait for
         client = self.v1_client(pool_size=16)
         barrier = threading.Barrier(16)
 
@@ -4318,7 +4343,8 @@ class ApplicationDefaultCredentialsTest(unittest.TestCase):
 class ClosingTest(V1TestCase):
     def test_closing_while_a_token_is_fetched_ends_the_push_and_leaves_no_thread_failing(
             self) -> None:
-        self.server.reply_delay = 0.2  # the token request among them
+        self.server.slow_seconds = 0.1
+        self.server.inject(SLOW)  # the token request, the first
         client = self.v1_client()
         failures: List[Any] = []
         outcome: List[BaseException] = []
@@ -4334,10 +4360,12 @@ class ClosingTest(V1TestCase):
 
         pusher = threading.Thread(target=push)
         pusher.start()
-        time.sleep(0.05)
+        self.assertTrue(wait_until(lambda: self.server.processed == 1))  # the token request
         client.close()
         pusher.join(2)
-        time.sleep(0.3)  # the token request ends, to a closed client
+        for thread in threading.enumerate():
+            if thread.name.startswith("andpush"):  # the token's thread among them: it ends
+                thread.join(2)
         self.assertFalse(pusher.is_alive())
         self.assertIsInstance(outcome[0], andpush.NetworkError)
         self.assertFalse(outcome[0].may_have_been_delivered)  # not sent: no token yet
@@ -4507,7 +4535,7 @@ class PushManySpec:
         messages = CountingMessages(400)
         outcomes = self.v1_client().push_many(messages, concurrency=2)
         self.assertIsInstance(next(outcomes)[1], andpush.Response)
-        time.sleep(0.1)  # a slow consumer: the workers must stop a window ahead
+        time.sleep(0.05)  # a slow consumer: the workers must stop a window ahead
         window = 2 * andpush._WINDOW_PER_WORKER
         self.assertLessEqual(messages.taken, 1 + window)
         self.assertEqual(len(list(outcomes)), 399)
@@ -4520,7 +4548,7 @@ class PushManySpec:
         is not sent)."""
         self.assertEqual([m["token"] for m, _ in pairs], ["t%d" % i for i in range(len(pairs))])
         self.assertTrue(all(isinstance(o, andpush.Response) for _, o in pairs))
-        time.sleep(0.05)  # anything still going out would arrive meanwhile
+        time.sleep(0.02)  # anything still going out would arrive meanwhile
         self.assertEqual(sorted(tokens_sent(self.server)), sorted(m["token"] for m, _ in pairs))
         self.assertIn(messages.taken - len(pairs), (0, 1))
 
@@ -6817,7 +6845,8 @@ class EngineTest(HTTP2TestCase):
         self.assertEqual((self.server.handshakes, self.server.processed), (2, 2))
 
     def test_a_timeout_for_one_push_bounds_that_push_only(self) -> None:
-        self.server.reply_delay = 0.3
+        self.server.slow_seconds = 1.0
+        self.server.inject(SLOW)  # the first push's answer only
         client = self.h2_client()
         started = time.monotonic()
         with self.assertRaises(andpush.NetworkError) as caught:
@@ -7037,7 +7066,7 @@ class HTTP2Test(HTTP2TestCase):
 
     def test_a_stalled_window_holds_the_data_until_the_server_opens_it(self) -> None:
         self.server.stall_window = True
-        threading.Timer(0.1, self.server.release_window).start()
+        threading.Timer(0.05, self.server.release_window).start()
         self.assert_all_sent_once(self.push_many(10), 10)
         self.assertEqual(self.server.flow_control_violations, 0)
         self.assertGreater(self.server.stalled_streams, 0)
@@ -7046,7 +7075,7 @@ class HTTP2Test(HTTP2TestCase):
             self) -> None:
         self.server.stall_window = True
         self.server.stall_window_size = _H2_DEFAULT_WINDOW  # only the connection's binds
-        threading.Timer(0.1, self.server.release_window).start()
+        threading.Timer(0.05, self.server.release_window).start()
         padding = "x" * 8000  # ten of these are more than the 65535-byte connection window
         client = self.h2_client()
         outcomes = outcomes_of(client.push_many(
@@ -7059,7 +7088,7 @@ class HTTP2Test(HTTP2TestCase):
     def test_every_stream_has_a_deadline(self) -> None:
         self.server.slow_seconds = 2.0
         self.server.by_token["t2"] = [SLOW]
-        outcomes = self.push_many(6, timeout=0.2)
+        outcomes = self.push_many(6, timeout=0.1)
         self.assertIsInstance(outcomes[2], andpush.NetworkError)
         self.assertTrue(outcomes[2].may_have_been_delivered)
         self.assertEqual(sum(isinstance(o, andpush.Response) for o in outcomes), 5)
@@ -7076,7 +7105,7 @@ class HTTP2Test(HTTP2TestCase):
         self.assertIsInstance(outcomes[0], andpush.Response)
 
     def test_rate_limit_holds_over_http2(self) -> None:
-        client = self.h2_client(rate_limit=100)
+        client = self.h2_client(rate_limit=200)
         policy = client._loop.policy
         reserve = unittest.mock.Mock(wraps=policy.start_at)
         policy.start_at = reserve  # type: ignore[method-assign]
@@ -7088,8 +7117,8 @@ class HTTP2Test(HTTP2TestCase):
         sender.join(20)
         self.assertFalse(sender.is_alive(), "push_many under rate_limit never finished")
         self.assert_all_sent_once(outcomes, 11)
-        # Eleven sends at 100 a second take 0.1 s at least, each waiting for its own slot once.
-        self.assertGreaterEqual(time.monotonic() - started, 0.1)
+        # Eleven sends at 200 a second take 0.05 s at least, each waiting for its own slot once.
+        self.assertGreaterEqual(time.monotonic() - started, 0.05)
         self.assertEqual(reserve.call_count, 11)
 
     def test_bad_messages_are_outcomes_not_sends(self) -> None:
@@ -7112,7 +7141,7 @@ class HTTP2Test(HTTP2TestCase):
         outcomes = self.h2_client().push_many(messages, concurrency=10)
         first = next(outcomes)
         rest = outcomes.close()  # type: ignore[attr-defined]
-        time.sleep(0.1)
+        time.sleep(0.05)  # anything still going out would arrive meanwhile
         self.assertEqual(self.server.processed, 1 + len(rest))
         self.assertEqual([m["token"] for m, _ in [first, *rest]],
                          ["t%d" % i for i in range(1 + len(rest))])
@@ -7240,7 +7269,7 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
     def test_a_server_that_never_sends_settings_fails_push_many_within_its_timeout(
             self) -> None:
         self.server.send_settings = False
-        outcomes = self.push_many(3, timeout=0.2)
+        outcomes = self.push_many(3, timeout=0.05)
         for outcome in outcomes:
             self.assertIsInstance(outcome, andpush.NetworkError)
             self.assertFalse(outcome.may_have_been_delivered)
@@ -7248,8 +7277,8 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
 
     def test_a_server_that_never_sends_settings_fails_push_within_its_timeout(self) -> None:
         self.server.send_settings = False
-        client = self.h2_client(timeout=0.2)
-        outcome = self.bounded(lambda: client.push(V1_MESSAGE), 0.2 + _H2_TIMEOUT_SLACK)
+        client = self.h2_client(timeout=0.05)
+        outcome = self.bounded(lambda: client.push(V1_MESSAGE), 0.05 + _H2_TIMEOUT_SLACK)
         self.assertIsInstance(outcome, andpush.NetworkError)
         self.assertFalse(outcome.may_have_been_delivered)
         self.assertEqual(self.server.processed, 0)
