@@ -1973,8 +1973,21 @@ def environment(**variables: str) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=None)
 def _child_bytecode_folder() -> "tempfile.TemporaryDirectory[str]":
-    """The children's shared bytecode cache, removed when the test run ends."""
-    return tempfile.TemporaryDirectory(prefix="andpush-test-bytecode-")
+    """The children's shared bytecode cache (their PYTHONPYCACHEPREFIX), removed when the test
+    run ends. It starts with a copy of the bytecode this process loaded the standard library
+    from: a child would otherwise compile every module again, since a cache folder replaces
+    the __pycache__ folders (40 ms each time for the command line's 60 modules)."""
+    folder = tempfile.TemporaryDirectory(prefix="andpush-test-bytecode-")
+    for module in list(sys.modules.values()):
+        source = getattr(module, "__file__", None)
+        cached = getattr(module, "__cached__", None)
+        if source and cached and os.path.isfile(cached):
+            # Where the prefix puts it: the source's folder under the prefix, root left out.
+            mirror = os.path.join(folder.name, os.path.dirname(os.path.abspath(source))
+                                  .lstrip(os.sep), os.path.basename(cached))
+            os.makedirs(os.path.dirname(mirror), exist_ok=True)
+            shutil.copyfile(cached, mirror)
+    return folder
 
 
 def python_command(*args: str) -> List[str]:
