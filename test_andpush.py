@@ -1889,6 +1889,8 @@ class ConnectProxy:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stopping.set()
+        with contextlib.suppress(OSError):  # wakes accept() at once on Linux; else its timeout
+            self._listener.shutdown(socket.SHUT_RDWR)
         for sock in self._sockets:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -1907,6 +1909,8 @@ class ConnectProxy:
                 conn, _ = self._listener.accept()
             except socket.timeout:
                 continue
+            except OSError:  # shut down by __exit__
+                return
             conn.settimeout(None)
             self._sockets.append(conn)
             self._spawn(self._tunnel, conn)
@@ -4358,6 +4362,7 @@ class ClosingTest(V1TestCase):
             self) -> None:
         self.server.slow_seconds = 0.1
         self.server.inject(SLOW)  # the token request, the first
+        earlier = set(threading.enumerate())
         client = self.v1_client()
         failures: List[Any] = []
         outcome: List[BaseException] = []
@@ -4376,9 +4381,10 @@ class ClosingTest(V1TestCase):
         self.assertTrue(wait_until(lambda: self.server.processed == 1))  # the token request
         client.close()
         pusher.join(2)
-        for thread in threading.enumerate():
+        for thread in set(threading.enumerate()) - earlier:
             if thread.name.startswith("andpush"):  # the token's thread among them: it ends
                 thread.join(2)
+                self.assertFalse(thread.is_alive(), thread.name)
         self.assertFalse(pusher.is_alive())
         self.assertIsInstance(outcome[0], andpush.NetworkError)
         self.assertFalse(outcome[0].may_have_been_delivered)  # not sent: no token yet
@@ -6853,7 +6859,7 @@ class EngineTest(HTTP2TestCase):
 
     def test_idle_connections_close_after_keep_alive_timeout_and_the_thread_ends(
             self) -> None:
-        client = self.h2_client(keep_alive_timeout=0.05)
+        client = self.h2_client(keep_alive_timeout=0.02)
         client.push(V1_MESSAGE)
         deadline = time.monotonic() + 2
         while client._loop._thread is not None and time.monotonic() < deadline:
@@ -7333,13 +7339,12 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
 
     def test_an_idle_connection_closed_by_the_server_is_replaced_without_a_failed_send(
             self) -> None:
-        self.server.close_idle_after = 0.05
+        self.server.close_idle_after = 0.02
         client = self.h2_client()
         client.push({"token": "first"})
-        deadline = time.monotonic() + _H2_DEADLINE
-        while self.server.goaways_sent == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.05)  # the GOAWAY and the close are on their way, or there
+        # The GOAWAY and the close are sent.
+        self.assertTrue(wait_until(lambda: self.server.open_connections == 0, _H2_DEADLINE))
+        self.assertEqual(self.server.goaways_sent, 1)
         self.assertIsInstance(self.bounded(lambda: client.push({"token": "second"})),
                               andpush.Response)
         self.assertEqual(tokens_sent(self.server), ["first", "second"])
@@ -7507,6 +7512,7 @@ class FakeFCM2Test(unittest.TestCase):
         self.assertEqual((len(payload), flags & _H2_END_STREAM), (90, _H2_END_STREAM))
 
     def test_the_shutdown_notice_comes_before_the_real_goaway(self) -> None:
+        self.server.shutdown_grace = 0.02
         self.server.inject(SHUTDOWN_NOTICE_AFTER_READ)
         client = self.client()
         client.request(1)
