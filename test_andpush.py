@@ -4996,6 +4996,27 @@ class CliTestCase(unittest.TestCase):
             env=child_environment(env), capture_output=True, text=True, timeout=_CLI_TIMEOUT,
         )
 
+    def andpush_processes(self, *runs: List[str]) -> List["subprocess.CompletedProcess[str]"]:
+        """Each of ``runs`` (whole argument lists) in a ``python -S -m andpush`` subprocess of
+        its own, all at once, so that the test waits for the slowest only; the results in
+        the order of ``runs``."""
+        env = child_environment(self.environment())
+        processes = []
+        for argv in runs:
+            process = subprocess.Popen(
+                python_command("-m", "andpush", *argv), cwd=_REPO, env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True,
+            )
+            self.addCleanup(process.kill)
+            processes.append(process)
+        results = []
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=_CLI_TIMEOUT)
+            results.append(subprocess.CompletedProcess(process.args, process.returncode,
+                                                       stdout, stderr))
+        return results
+
     def assertExit(self, result: "subprocess.CompletedProcess[str]", status: int) -> None:
         self.assertEqual(result.returncode, status, "stderr:\n" + result.stderr)
         self.assertNotIn("Traceback", result.stderr)
@@ -5412,9 +5433,9 @@ class CliExitStatusTest(CliTestCase):
             (["send", "--token", TOKEN, "--title", "Hi", "--max-retries", "0",
               *self.options(), "--endpoint", closed], 75, "try again later"),
         ]
-        for args, status, explanation in table:
+        results = self.andpush_processes(*(args for args, _, _ in table))
+        for (_, status, explanation), result in zip(table, results):
             with self.subTest(status=status):
-                result = self.andpush_process(*args, options=[])
                 self.assertErrorLine(result, status, explanation)
         self.assertFalse(tokens_sent(self.server))
 
