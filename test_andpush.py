@@ -3846,8 +3846,22 @@ class _NoLoop:
         return None
 
 
+#: The access token of V1TestCase.fixed_token_client()'s clients.
+FIXED_ACCESS_TOKEN = "ya29.fixed-test-token"
+
+
 class V1TestCase(ServerTestCase):
     server_class = FakeGoogle
+
+    def fixed_token_client(self, **options: Any) -> andpush.Client:
+        """A v1 client with a fixed access token that the server takes, for the tests not
+        about tokens: they pay for no token request (an RSA signature, 8 ms, and a
+        connection of its own)."""
+        self.server.valid_tokens.add(FIXED_ACCESS_TOKEN)
+        options.setdefault("credentials", None)
+        options.setdefault("access_token", FIXED_ACCESS_TOKEN)
+        options.setdefault("project_id", TEST_PROJECT)
+        return self.v1_client(**options)
 
     def v1_client(self, **options: Any) -> andpush.Client:
         options.setdefault("credentials", service_account_info(self.server))
@@ -4490,13 +4504,11 @@ PUSH_MANY_FAULTS: Dict[str, Tuple[List[Any], Any, int]] = {
 }
 
 
-#: The access token of PushManySpec's clients.
-SPEC_ACCESS_TOKEN = "ya29.push-many-spec"
-
-
 class PushManySpec:
     """push_many's specification, run against each protocol by a subclass that also
-    derives from V1TestCase and says, in its class attributes, what differs."""
+    derives from V1TestCase and says, in its class attributes, what differs. Its clients
+    have a fixed access token, but in the fault table's test: there push_many also waits
+    for a service account's first token."""
 
     # The server's class, and the faults of this protocol only (same shape as
     # PUSH_MANY_FAULTS).
@@ -4508,16 +4520,6 @@ class PushManySpec:
     # Client options for the fault table: HTTP/1.1 wants a connection per request, so that
     # a reset is not taken for a server that closed the connection before reading.
     FAULT_OPTIONS: Dict[str, Any] = {}
-
-    def spec_client(self: Any, **options: Any) -> andpush.Client:
-        """A v1 client with a fixed access token, so that a test pays for no token request
-        (an RSA signature and a connection of its own). The fault table's test keeps the
-        service account: push_many waiting for the token it fetches first."""
-        self.server.valid_tokens.add(SPEC_ACCESS_TOKEN)
-        options.setdefault("credentials", None)
-        options.setdefault("access_token", SPEC_ACCESS_TOKEN)
-        options.setdefault("project_id", TEST_PROJECT)
-        return self.v1_client(**options)  # type: ignore[no-any-return]
 
     def test_one_outcome_per_message_in_input_order_under_faults(self: Any) -> None:
         faults = dict(PUSH_MANY_FAULTS, **self.PROTOCOL_FAULTS)
@@ -4544,7 +4546,7 @@ class PushManySpec:
 
     def test_a_message_waiting_for_a_retry_does_not_hold_up_the_others(self: Any) -> None:
         self.server.by_token["t0"] = [fcm_error(503, "UNAVAILABLE")]
-        client = self.spec_client(max_retries=1, backoff_factor=0.1)  # waits at least 0.05 s
+        client = self.fixed_token_client(max_retries=1, backoff_factor=0.1)  # waits at least 0.05 s
         outcomes = outcomes_of(client.push_many(CountingMessages(100), concurrency=4))
         self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
         sent = tokens_sent(self.server)
@@ -4553,7 +4555,7 @@ class PushManySpec:
         self.assertGreater(sent.index("t0", first + 1) - first, 4 * 4)
 
     def test_a_request_the_server_did_not_read_is_sent_again_once(self: Any) -> None:
-        client = self.spec_client(max_retries=0)
+        client = self.fixed_token_client(max_retries=0)
         client.push({"token": "warm-up"})  # the token, and a connection to reuse
         self.server.inject(self.NOT_READ)
         outcomes = outcomes_of(client.push_many([{"token": "t%d" % i} for i in range(5)],
@@ -4571,7 +4573,7 @@ class PushManySpec:
 
     def test_generator_input_is_read_lazily_and_the_window_is_bounded(self: Any) -> None:
         messages = CountingMessages(200)
-        outcomes = self.spec_client().push_many(messages, concurrency=2)
+        outcomes = self.fixed_token_client().push_many(messages, concurrency=2)
         self.assertIsInstance(next(outcomes)[1], andpush.Response)
         time.sleep(0.05)  # a slow consumer: the workers must stop a window ahead
         window = 2 * andpush._WINDOW_PER_WORKER
@@ -4592,7 +4594,7 @@ class PushManySpec:
 
     def test_closing_returns_the_pairs_of_every_message_read(self: Any) -> None:
         messages = CountingMessages(1000)
-        outcomes = self.spec_client().push_many(messages, concurrency=4)
+        outcomes = self.fixed_token_client().push_many(messages, concurrency=4)
         first = [next(outcomes) for _ in range(3)]
         rest = outcomes.close()  # type: ignore[attr-defined]
         self.assert_every_send_reported(first + rest, messages)
@@ -4603,7 +4605,7 @@ class PushManySpec:
 
     def test_stopping_lets_the_iteration_drain_what_was_read(self: Any) -> None:
         messages = CountingMessages(1000)
-        outcomes = self.spec_client().push_many(messages, concurrency=4)
+        outcomes = self.fixed_token_client().push_many(messages, concurrency=4)
         first = next(outcomes)
         outcomes.stop()  # type: ignore[attr-defined]
         pairs = [first, *outcomes]
@@ -4612,7 +4614,7 @@ class PushManySpec:
 
     def test_close_after_an_exception_in_the_loop_still_gives_the_rest(self: Any) -> None:
         messages = CountingMessages(1000)
-        outcomes = self.spec_client().push_many(messages, concurrency=4)
+        outcomes = self.fixed_token_client().push_many(messages, concurrency=4)
         seen: List[Tuple[Any, Any]] = []
         with self.assertRaises(KeyError):
             for pair in outcomes:
@@ -4623,7 +4625,7 @@ class PushManySpec:
 
     def test_dropping_the_iterator_stops_sending(self: Any) -> None:
         messages = CountingMessages(1000)
-        outcomes = self.spec_client().push_many(messages, concurrency=4)
+        outcomes = self.fixed_token_client().push_many(messages, concurrency=4)
         next(outcomes)
         del outcomes
         time.sleep(0.05)  # what was in flight lands
@@ -4643,7 +4645,7 @@ class PushManySpec:
                 seen.append((done, failed))
 
         messages = [{"token": "a"}, {"token": "gone"}, {"token": "b"}]
-        list(self.spec_client().push_many(messages, concurrency=2, progress=progress))
+        list(self.fixed_token_client().push_many(messages, concurrency=2, progress=progress))
         self.assertEqual(sorted(seen)[-1], (3, 1))
         self.assertEqual(len(seen), 3)
 
@@ -4652,14 +4654,14 @@ class PushManySpec:
             yield {"token": "a"}
             raise RuntimeError("the database went away")
 
-        outcomes = self.spec_client().push_many(messages(), concurrency=2)
+        outcomes = self.fixed_token_client().push_many(messages(), concurrency=2)
         self.assertIsInstance(next(outcomes)[1], andpush.Response)
         with self.assertRaisesRegex(RuntimeError, "database"):
             next(outcomes)
 
     def test_bad_concurrency(self: Any) -> None:
         with self.assertRaisesRegex(ValueError, "concurrency"):
-            self.spec_client().push_many([], concurrency=0)
+            self.fixed_token_client().push_many([], concurrency=0)
 
 
 class PushManyHTTP11Test(PushManySpec, V1TestCase):
@@ -4676,7 +4678,7 @@ class RetryTest(V1TestCase):
         later = email.utils.formatdate(time.time() + 30, usegmt=True)
         self.server.by_token[TOKEN] = [fcm_error(503, "UNAVAILABLE", Retry_After="20"),
                                        fcm_error(503, "UNAVAILABLE", Retry_After=later)]
-        client = self.v1_client(max_retries=3, backoff_factor=0.001)
+        client = self.fixed_token_client(max_retries=3, backoff_factor=0.001)
         clock = FakeClock.install(client)
         client.push(V1_MESSAGE)
         self.assertEqual(len(clock.sleeps), 2)
@@ -4685,7 +4687,7 @@ class RetryTest(V1TestCase):
         self.assertEqual(tokens_sent(self.server).count(TOKEN), 3)
 
     def test_a_429_pauses_the_whole_client(self) -> None:
-        client = self.v1_client(max_retries=1)
+        client = self.fixed_token_client(max_retries=1)
         client.push({"token": "warm-up"})
         self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"),
                            fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"))
@@ -4697,7 +4699,7 @@ class RetryTest(V1TestCase):
         self.assertEqual(clock.sleeps, [30.0])
 
     def test_with_max_retries_0_a_push_during_a_pause_fails_at_once_unsent(self) -> None:
-        client = self.v1_client()  # max_retries=0
+        client = self.fixed_token_client()  # max_retries=0
         client.push({"token": "warm-up"})  # the access token first
         self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="30"))
         clock = FakeClock.install(client)
@@ -4715,7 +4717,7 @@ class RetryTest(V1TestCase):
         self.assertEqual(len(logs.records), 1)  # the pause is logged once, when it starts
 
     def test_the_pause_is_bounded_like_a_retry_wait(self) -> None:
-        client = self.v1_client()
+        client = self.fixed_token_client()
         client.push({"token": "warm-up"})  # the access token first
         self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="86400"))
         clock = FakeClock.install(client)
@@ -4729,7 +4731,7 @@ class RetryTest(V1TestCase):
 
     def test_a_429_without_retry_after_waits_a_minute(self) -> None:
         self.server.by_token[TOKEN] = [fcm_error(429, None)]
-        client = self.v1_client(max_retries=1, backoff_factor=0.001)
+        client = self.fixed_token_client(max_retries=1, backoff_factor=0.001)
         clock = FakeClock.install(client)
         client.push(V1_MESSAGE)
         self.assertEqual(clock.sleeps, [60.0])
@@ -4748,13 +4750,13 @@ class RetryTest(V1TestCase):
 
     def test_maybe_delivered_network_failures_are_not_retried(self) -> None:
         self.server.by_token[TOKEN] = [RESET_AFTER_READ]
-        client = self.v1_client(max_retries=3, backoff_factor=0.001, keep_alive_timeout=0)
+        client = self.fixed_token_client(max_retries=3, backoff_factor=0.001, keep_alive_timeout=0)
         with self.assertRaises(andpush.NetworkError):
             client.push(V1_MESSAGE)
         self.assertEqual(tokens_sent(self.server).count(TOKEN), 1)
 
     def test_rate_limit_spaces_the_sends(self) -> None:
-        client = self.v1_client(rate_limit=5)
+        client = self.fixed_token_client(rate_limit=5)
         clock = FakeClock.install(client)
         for _ in range(10):
             client.push(V1_MESSAGE)
@@ -7216,7 +7218,7 @@ class PushManyHTTP2Test(PushManySpec, V1TestCase):
             self.server.by_token[token] = [fcm_error(404, "UNREGISTERED")]
         messages = ({"token": token} for token in tokens)  # one pass, as over a cursor
         deleted = [message["token"]
-                   for message, outcome in self.spec_client().push_many(messages)
+                   for message, outcome in self.fixed_token_client().push_many(messages)
                    if isinstance(outcome, andpush.UnregisteredError)]
         self.assertEqual(deleted, [token for token in tokens if token in unregistered])
 
