@@ -5261,17 +5261,19 @@ class CliSignalTest(CliTestCase):
     """send-many stopped by Ctrl-C or SIGTERM (systemd, docker, Kubernetes): no more tokens
     are taken, every message sent is answered and recorded, and the summary is true."""
 
-    def start(self, count: int, concurrency: int) -> "subprocess.Popen[str]":
-        """send-many of t0, t1, ... (every fifth unregistered) in a subprocess, which
-        takes SIGINT as a terminal's Ctrl-C, once the server has processed ten sends."""
-        for i in range(0, count, 5):
-            if not self.server.by_token.get("t%d" % i):  # what the test set comes first
-                self.server.by_token["t%d" % i] = [fcm_error(404, "UNREGISTERED")]
-        tokens = self.write("tokens.txt", "".join("t%d\n" % i for i in range(count)))
+    def start(self, count: int, concurrency: int, prefix: str = "t") -> "subprocess.Popen[str]":
+        """send-many of <prefix>0, <prefix>1, ... (every fifth unregistered) in a subprocess,
+        which takes SIGINT as a terminal's Ctrl-C, with its results in <prefix>results.jsonl
+        and its unregistered tokens in <prefix>dead.txt."""
+        tokens = ["%s%d" % (prefix, i) for i in range(count)]
+        for token in tokens[::5]:
+            if not self.server.by_token.get(token):  # what the test set comes first
+                self.server.by_token[token] = [fcm_error(404, "UNREGISTERED")]
+        tokens_file = self.write(prefix + "tokens.txt", "".join(t + "\n" for t in tokens))
         process = subprocess.Popen(
-            python_command("-m", "andpush", "send-many", "--tokens", tokens,
-             "--results", os.path.join(self.folder, "results.jsonl"),
-             "--unregistered", os.path.join(self.folder, "dead.txt"),
+            python_command("-m", "andpush", "send-many", "--tokens", tokens_file,
+             "--results", os.path.join(self.folder, prefix + "results.jsonl"),
+             "--unregistered", os.path.join(self.folder, prefix + "dead.txt"),
              "--concurrency", str(concurrency), "--title", "Hi", *self.options()),
             cwd=_REPO, env=child_environment(self.environment()), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True,
@@ -5279,31 +5281,36 @@ class CliSignalTest(CliTestCase):
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.addCleanup(process.kill)
-        deadline = time.monotonic() + _CLI_TIMEOUT
-        while len(tokens_sent(self.server)) < 10 and time.monotonic() < deadline:
-            time.sleep(0.005)
         return process
 
-    def recorded(self) -> List[str]:
-        return [json.loads(line)["token"] for line in self.read("results.jsonl").splitlines()]
+    def sent(self, prefix: str = "t") -> List[str]:
+        """The tokens of start(prefix=prefix) that the server processed a send of."""
+        return [token for token in tokens_sent(self.server)
+                if re.fullmatch(re.escape(prefix) + r"[0-9]+", token)]
+
+    def recorded(self, prefix: str = "t") -> List[str]:
+        results = self.read(prefix + "results.jsonl")
+        return [json.loads(line)["token"] for line in results.splitlines()]
 
     def test_sigint_and_sigterm_record_every_message_sent_and_exit_130_and_143(self) -> None:
         self.server.reply_delay = 0.01
-        for signum, word, status in ((signal.SIGINT, "interrupted", 130),
-                                     (signal.SIGTERM, "terminated", 143)):
+        runs = [(signal.SIGINT, "interrupted", 130, "int"),
+                (signal.SIGTERM, "terminated", 143, "term")]
+        # Both at once, each with tokens of its own, so that the test waits for one only.
+        processes = [self.start(2000, concurrency=4, prefix=prefix) for *_, prefix in runs]
+        for process, (signum, word, status, prefix) in zip(processes, runs):
             with self.subTest(word):
-                del self.server.requests[:]
-                process = self.start(2000, concurrency=4)
+                self.assertTrue(wait_until(lambda: len(self.sent(prefix)) >= 10, _CLI_TIMEOUT))
                 process.send_signal(signum)
                 stderr = process.communicate(timeout=_CLI_TIMEOUT)[1]
                 self.assertEqual(process.returncode, status, stderr)
                 self.assertNotIn("Traceback", stderr)
-                recorded = self.recorded()
+                recorded = self.recorded(prefix)
                 # Every message the server processed is recorded, in token order.
-                self.assertEqual(recorded, ["t%d" % i for i in range(len(recorded))])
-                self.assertEqual(sorted(tokens_sent(self.server)), sorted(recorded))
-                dead = [token for token in recorded if int(token[1:]) % 5 == 0]
-                self.assertEqual(self.read("dead.txt").split(), dead)
+                self.assertEqual(recorded, ["%s%d" % (prefix, i) for i in range(len(recorded))])
+                self.assertEqual(sorted(self.sent(prefix)), sorted(recorded))
+                dead = [token for token in recorded if int(token[len(prefix):]) % 5 == 0]
+                self.assertEqual(self.read(prefix + "dead.txt").split(), dead)
                 self.assertIn("{}: {:,} sent, {:,} failed, {:,} not sent".format(
                     word, len(recorded) - len(dead), len(dead), 2000 - len(recorded)),
                     stderr.splitlines()[-1])
@@ -5314,9 +5321,7 @@ class CliSignalTest(CliTestCase):
         for i in range(10, 20):
             self.server.by_token["t%d" % i] = [SLOW]  # in flight until the server closes
         process = self.start(100, concurrency=2)
-        deadline = time.monotonic() + _CLI_TIMEOUT
-        while len(tokens_sent(self.server)) < 12 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        self.assertTrue(wait_until(lambda: len(self.sent()) >= 12, _CLI_TIMEOUT))
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
         time.sleep(0.05)  # the first one is handled: t10 and t11 still hold the drain
