@@ -2889,7 +2889,7 @@ class _Loop(_Engine):
             self._lost(link, ended)
 
 
-_CLOSE_GRACE = 0.25  # seconds aclose() lets connections end (TLS close_notify) before cutting
+_CLOSE_GRACE = 0.25  # seconds aclose() waits for the connections it cut to be gone
 
 
 class _AsyncLoop(_Engine):
@@ -2959,8 +2959,7 @@ class _AsyncLoop(_Engine):
 
     async def close(self) -> None:
         """End every connection and request; wait until the connects under way are gone
-        and every connection is closed (cut after _CLOSE_GRACE), so that none outlives
-        the event loop."""
+        and every connection is closed, so that none outlives the event loop."""
         import asyncio
 
         if self._closed:
@@ -2973,10 +2972,6 @@ class _AsyncLoop(_Engine):
         self._abandon("the client was closed")
         if self._connecting:
             await asyncio.gather(*self._connecting, return_exceptions=True)
-        if self._carriers:
-            await asyncio.wait([c.lost for c in self._carriers], timeout=_CLOSE_GRACE)
-        for carrier in list(self._carriers):
-            carrier.transport.abort()
         if self._carriers:
             await asyncio.wait([c.lost for c in self._carriers], timeout=_CLOSE_GRACE)
 
@@ -3067,8 +3062,10 @@ class _AsyncLoop(_Engine):
             link.wrote(len(out))
 
     def _shut(self, link: _Link) -> None:
+        """Write what is pending (our GOAWAY), then cut the connection, as the thread
+        driver does: a TLS close_notify exchange could wait for the server for long."""
         self._send(link)
-        link.carrier.transport.close()
+        link.carrier.transport.abort()
 
 
 class _Carrier:

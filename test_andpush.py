@@ -6984,7 +6984,7 @@ class EngineTest(HTTP2TestCase):
             self) -> None:
         client = self.h2_client()
         client.push(V1_MESSAGE)  # connected: the next push waits only for its answer
-        self.server.reply_delay = 0.2
+        self.server.reply_delay = 0.1
 
         def interrupt(signum: int, frame: object) -> None:
             raise KeyboardInterrupt
@@ -6995,7 +6995,7 @@ class EngineTest(HTTP2TestCase):
         handler.emit = errors.append  # type: ignore[method-assign]
         logging.getLogger("andpush").addHandler(handler)
         self.addCleanup(logging.getLogger("andpush").removeHandler, handler)
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        signal.setitimer(signal.ITIMER_REAL, 0.03)
         with self.assertRaises(KeyboardInterrupt):
             client.push(V1_MESSAGE)  # the caller runs the loop, and is waiting in select
         self.assertEqual(client.push(V1_MESSAGE).status_code, 200)
