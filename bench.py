@@ -1,13 +1,14 @@
 """Benchmark andpush against a server we did not write: nginx on loopback.
 
 ``python bench.py`` (a few minutes); ``--quick`` (a smoke run), ``--rows NAME,...`` (parts of
-names; ``--list`` shows them). No network, no credentials. The peers (pyfcm, firebase-admin)
-run when importable: use a virtual environment's interpreter that has them.
+names; ``--list`` shows them), ``--own-server``. No network, no credentials. The peers (pyfcm,
+firebase-admin) run when importable: use a virtual environment's interpreter that has them.
 
 nginx (``apt-get install nginx-light``) runs from a temporary folder with the tests' throw-away
 certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM. Its
 access log gives the ``proto`` and ``conns`` columns (the connections that carried pushes).
-Without nginx nothing is measured: figures count only against a server we did not write.
+Without it (or with ``--own-server``) the standard library's HTTP/1.1 server stands in: its
+figures do not count, the HTTP/2 rows are not measured. Column ``server`` says which one ran.
 
 ``(50 ms)`` rows go through a relay that holds bytes 25 ms each way (a new connection's first
 bytes a round trip more: its handshake). The measured round trip is the RTT of the ideals
@@ -24,6 +25,7 @@ import collections
 import concurrent.futures
 import functools
 import heapq
+import http.server
 import importlib.util
 import itertools
 import json
@@ -41,11 +43,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECT = "p"
 FLOOR_PROJECT = "floor"  #: the project of a row's own floor requests, told apart in the log
+V1_BODY = b'{"name": "projects/p/messages/0:1"}'  #: the own server's answer to a send
 TOKEN_BODY = b'{"access_token": "bench-token", "expires_in": 3600, "token_type": "Bearer"}'
 DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
 ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
@@ -282,6 +285,59 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
     except (OSError, IndexError):
         worker = master.pid
     return port, worker, os.path.join(folder, "access.log")
+
+
+# bench.py's own server (only without nginx) ####################################################
+# The standard library's threading HTTP/1.1 server (the HTTP/2 rows need nginx), logging as
+# nginx does: a connection (its client's port), the protocol, the path.
+
+class OwnHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    wbufsize = 65536  # an answer goes out in one write, at the flush after do_POST
+    log_lock = threading.Lock()
+    log: TextIO
+
+    def setup(self) -> None:
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().setup()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        status, body = ((200, V1_BODY) if self.path.endswith("/messages:send") else
+                        (200, TOKEN_BODY) if self.path == "/token" else (404, b"{}"))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_request(self, *args: Any) -> None:
+        with self.log_lock:
+            self.log.write("%d HTTP/1.1 %s\n" % (self.client_address[1], self.path))
+
+
+class OwnServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024  # the listen backlog: up to 700 connections come at once
+
+
+def serve(port: int, cert: str, key: str, log_path: str) -> None:
+    """The own server (``--serve``): serves on ``port`` until killed."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.set_alpn_protocols(["http/1.1"])
+    with open(log_path, "a", buffering=1) as OwnHandler.log:  # before the port listens
+        server = OwnServer(("127.0.0.1", port), OwnHandler)
+        server.socket = context.wrap_socket(server.socket, server_side=True,
+                                            do_handshake_on_connect=False)  # in each thread
+        server.serve_forever()
+
+
+def start_own(folder: str, certs: Dict[str, str]) -> Tuple[int, int, str]:
+    """Start the own server on a free loopback port: its port, its pid, its log."""
+    port, log = free_port(), os.path.join(folder, "own.log")
+    server = start([sys.executable, os.path.abspath(__file__), "--serve", str(port),
+                    certs["cert.pem"], certs["key.pem"], log], "the own server", port)
+    return port, server.pid, log
 
 
 # The relay: 25 ms each way #####################################################################
@@ -681,9 +737,10 @@ def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Di
 class Setting:
     """What the rows run against."""
 
+    server: str  # "nginx" or "own"
     port: int
     relay_port: int
-    server_pid: int  # nginx's worker
+    server_pid: int  # nginx's worker or the own server
     relay_pid: int
     log: str  # lines of "connection protocol path"
     certs: Dict[str, str]
@@ -693,7 +750,7 @@ class Setting:
 @dataclass
 class Result:
     row: Row
-    cells: Tuple[str, ...] = ("-",) * 6  # proto, conns, msg/s, ratio, CPU/1k, srv/relay
+    cells: Tuple[str, ...] = ("-",) * 7  # server, proto, conns, msg/s, ratio, CPU/1k, srv/relay
     cpu: Optional[float] = None  # seconds per 1,000 messages
     checks: Tuple[Tuple[str, bool], ...] = ()  # (target, met)
     note: str = ""
@@ -723,6 +780,9 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
         return result
     if row.kind == "import":
         return import_row(row, result)
+    if row.http2 and setting.server != "nginx":
+        result.note = "not measured: needs nginx"
+        return result
     with open(setting.log, "rb") as f:
         offset = f.seek(0, os.SEEK_END)
     before = cpu_seconds(setting.server_pid), cpu_seconds(setting.relay_pid)
@@ -756,7 +816,7 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
     in_flight = min(row.concurrency, H2_STREAMS * conns) if row.http2 else row.concurrency
     base = (in_flight / setting.rtt if row.base == "ideal" else
             report["floor_ok"] / report["floor_seconds"] if row.base == "floor" else None)
-    result.cells = ("+".join(
+    result.cells = (setting.server, "+".join(
         {"HTTP/2.0": "h2"}.get(p, p.lower()) + ("" if len(protocols) == 1 else " %d" % n)
         for p, n in sorted(protocols.items())) or "-", str(conns), "{:,.0f}".format(rate),
         "%.2f %s" % (rate / base, row.base) if base else "-", "%.3f" % result.cpu,
@@ -805,13 +865,13 @@ def import_row(row: Row, result: Result) -> Result:
                                  env=environment).stdout)
             for _ in range(IMPORT_SAMPLES + 1)][1:]  # the first writes the bytecode cache
     milliseconds = 1000 * statistics.median(runs)
-    result.cells = ("-",) * 2 + ("%.1f ms" % milliseconds,) + ("-",) * 3
+    result.cells = ("-",) * 3 + ("%.1f ms" % milliseconds,) + ("-",) * 3
     if row.max_ms is not None:
         result.checks = (("<=%g ms" % row.max_ms, milliseconds <= row.max_ms),)
     return result
 
 
-COLUMNS = ("row", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/relay",
+COLUMNS = ("row", "server", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/relay",
            "target", "met")
 
 
@@ -821,7 +881,7 @@ def table(results: List[Result]) -> str:
         ("met" if all(ok for _, ok in r.checks) else "MISSED") if r.checks else "-",
     ) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) if 2 <= i <= 6 else cell.ljust(w)
+    lines = ["  ".join(cell.rjust(w) if 3 <= i <= 7 else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]
     notes = ["%s: %s%s" % (r.row.name, r.row.title, " -- " + r.note if r.note else "")
@@ -829,15 +889,23 @@ def table(results: List[Result]) -> str:
     return "\n".join(lines + [""] + notes)
 
 
-def start_servers(nginx: str, folder: str, certs: Dict[str, str]) -> Setting:
-    """nginx, the relay in front of it, and the round trip through it."""
-    port, pid, log = start_nginx(nginx, folder, certs)
-    print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d" % (nginx, port),
-          flush=True)
+def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
+    """nginx (or the own server), the relay in front of it, and the round trip through it."""
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+    if nginx and not own:
+        port, pid, log = start_nginx(nginx, folder, certs)
+        print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
+              % (nginx, port), flush=True)
+    else:
+        port, pid, log = start_own(folder, certs)
+        print("NO NGINX%s: bench.py's own HTTP/1.1 server stands in; its figures do not count, "
+              "the HTTP/2 rows are not measured (apt-get install nginx-light)"
+              % (" (--own-server)" if nginx else " installed"), flush=True)
     relay_port = free_port()
     relay_process = start([sys.executable, os.path.abspath(__file__), "--relay",
                            str(relay_port), str(port)], "the relay", relay_port)
-    setting = Setting(port, relay_port, pid, relay_process.pid, log, certs)
+    setting = Setting("nginx" if nginx and not own else "own", port, relay_port, pid,
+                      relay_process.pid, log, certs)
     setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
     print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
           "ideals" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES), flush=True)
@@ -849,10 +917,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smaller counts: a smoke run")
     parser.add_argument("--rows", help="comma-separated row names (or parts of names)")
     parser.add_argument("--list", action="store_true", help="list the rows and exit")
+    parser.add_argument("--own-server", action="store_true",
+                        help="use bench.py's own server even where nginx is installed")
     for hidden in ("--child", "--cafile", "--rsa-key"):  # what bench.py passes its helpers
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--relay", type=int, nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -865,34 +936,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.relay:
         relay(*args.relay, ONE_WAY_DELAY)
+    if args.serve:
+        serve(int(args.serve[0]), *args.serve[1:])
     wanted = args.rows.split(",") if args.rows else []
     rows = [row for row in ROWS if not wanted or any(w and w in row.name for w in wanted)]
     if args.list or not rows:
         print("\n".join("%-15s %s" % (row.name, row.title) for row in ROWS))
         return 0 if args.list else 2
-    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-    if not nginx:
-        print("bench.py measures against nginx, which is not installed (apt-get install "
-              "nginx-light)", file=sys.stderr)
-        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the helpers stop
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
-            setting = start_servers(nginx, folder, write_certificates(folder))
+            setting = start_servers(folder, write_certificates(folder), args.own_server)
             done: Dict[str, Result] = {}
             for row in rows:
                 print("running %s ..." % row.name, file=sys.stderr, flush=True)
                 done[row.name] = run_row(row, setting, args.quick)
-            stop_all()
             compare_cpu(done)
     except KeyboardInterrupt:
         return 130
     finally:
         stop_all()
-    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s" % (
+    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s; %s" % (
         sys.version.split()[0], ssl.OPENSSL_VERSION, os.cpu_count() or 0,
-        os.getloadavg()[0], ", --quick" if args.quick else "", time.perf_counter() - started))
+        os.getloadavg()[0], ", --quick" if args.quick else "", time.perf_counter() - started,
+        "against nginx" if setting.server == "nginx" else
+        "against bench.py's own server: these figures do not count"))
     print(table(list(done.values())))
     return 1 if any(r.note.startswith("failed") for r in done.values()) else 0
 
