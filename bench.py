@@ -5,19 +5,18 @@ names; ``--list`` shows them), ``--own-server``. No network, no credentials. The
 firebase-admin) run when importable: use a virtual environment's interpreter that has them.
 
 nginx (``apt-get install nginx-light``) runs from a temporary folder with the tests' throw-away
-certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM. Its
-access log gives the ``proto`` and ``conns`` columns (the connections that carried pushes).
-Without it (or with ``--own-server``) the standard library's HTTP/1.1 server stands in: its
-figures do not count, the HTTP/2 rows are not measured. Column ``server`` says which one ran.
+certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM; its
+access log gives ``proto`` and ``conns`` (the connections that carried pushes). Without it (or
+with ``--own-server``) the standard library's HTTP/1.1 server stands in: its figures do not
+count, the HTTP/2 rows are not measured. Column ``server`` says which server a row used.
 
 ``(50 ms)`` rows go through a relay that holds bytes 25 ms each way (a new connection's first
-bytes a round trip more: its handshake). The measured round trip is the RTT of the ideals
-(concurrency / RTT, the concurrency over HTTP/2 at most 100 streams on each connection used);
-row ``relay-ceiling`` shows the relay carries 3x the top one. Each row runs in a child
-process: ``msg/s`` is successes over wall time, ``CPU/1k`` the child's CPU (all threads) per
-1,000 messages, ``ratio`` to the ideal or to the floor (raw requests on one kept-alive TLS
-socket; the row takes turns with its own floor), ``srv/relay`` the share of a core the server
-and relay used. The targets are all in ROWS.
+bytes a round trip more: its handshake). Their ideal is the concurrency (over HTTP/2, at most
+100 streams on each connection used) over the measured round trip; ``relay-ceiling`` shows the
+relay carries 3x the top one. Each row runs in a child process: ``msg/s`` is successes over
+wall time, ``CPU/1k`` the child's CPU (all threads) per 1,000 messages, ``ratio`` to the ideal
+or to the floor (raw requests on one kept-alive TLS socket, taking turns with the row),
+``srv/relay`` the share of a core the server and relay used. The targets are all in ROWS.
 """
 
 import argparse
@@ -40,15 +39,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import timeit
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = [sys.executable, os.path.abspath(__file__)]  #: how bench.py starts its helpers, children
 PROJECT = "p"
 FLOOR_PROJECT = "floor"  #: the project of a row's own floor requests, told apart in the log
 V1_BODY = b'{"name": "projects/p/messages/0:1"}'  #: the own server's answer to a send
+OWN_LOG = "own.log"  #: the own server's log, in the run's folder, written before it listens
 TOKEN_BODY = b'{"access_token": "bench-token", "expires_in": 3600, "token_type": "Bearer"}'
 DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
 ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
@@ -63,6 +64,7 @@ KEEPALIVE_REQUESTS = 10_000_000  #: nginx closes no connection in a run ...
 KEEPALIVE_SECONDS = 3600  #: ... nor for idleness
 CHILD_DEADLINE = 600  #: seconds a row may take before it is killed
 START_DEADLINE = 10  #: seconds a server or the relay may take to listen
+LISTEN_BACKLOG = 1024  #: the own server's and the relay's: up to 700 connections come at once
 
 
 # The rows and their targets, in one place ######################################################
@@ -105,8 +107,7 @@ ROWS = [
     Row("threads-100", "threads", "push() from 100 threads, new client", count=4000,
         relayed=True, concurrency=100, base="ideal", min_ratio=0.9, max_conns=2, max_cpu=0.08),
     Row("async-push-1000", "async-push", "asyncio: await push() from 1,000 tasks, new client",
-        count=20_000, relayed=True, concurrency=1000, base="ideal", min_ratio=0.9,
-        max_cpu=0.05),
+        count=20_000, relayed=True, concurrency=1000, base="ideal", min_ratio=0.9, max_cpu=0.05),
     Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
         count=10_000, relayed=True, concurrency=100, base="ideal"),
     Row("many-700-new", "many", "push_many(concurrency=700), 10k on a new client",
@@ -125,12 +126,10 @@ ROWS = [
         max_cpu=0.03, cpu_below=("fbadmin-async", 10.0)),
     Row("many-direct", "many", "push_many(concurrency=100), no delay: client-bound",
         count=50_000, concurrency=100, warm=100, min_rate=40_000),
-    Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client",
-        count=10_000, relayed=True, http2=False, concurrency=100, base="ideal", min_ratio=0.9,
-        max_cpu=0.10),
-    Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client",
-        count=10_000, relayed=True, http2=False, concurrency=200, base="ideal", min_ratio=0.9,
-        max_cpu=0.10),
+    Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client", count=10_000,
+        relayed=True, http2=False, concurrency=100, base="ideal", min_ratio=0.9, max_cpu=0.10),
+    Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client", count=10_000,
+        relayed=True, http2=False, concurrency=200, base="ideal", min_ratio=0.9, max_cpu=0.10),
     Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, http2=False,
         base="floor", module=PYFCM),
     Row("fbadmin-send", "fbadmin-send", "peer: firebase-admin messaging.send() sequential",
@@ -145,13 +144,12 @@ ROWS = [
     Row("import-fbadmin", "import", "import firebase_admin.messaging",
         module=FBADMIN + ".messaging"),
 ]
-PIP_NAMES = {PYFCM: "pyfcm", FBADMIN: "firebase-admin"}
 
 
 def missing_package(row: Row) -> str:
     """The pip name of what a row needs and cannot import here, or ""."""
     top = row.module.split(".")[0]
-    return PIP_NAMES.get(top, top) if top and importlib.util.find_spec(top) is None else ""
+    return top.replace("_", "-") if top and importlib.util.find_spec(top) is None else ""
 
 
 # Processes this run starts, stopped whatever happens ###########################################
@@ -175,8 +173,7 @@ def free_port() -> int:
 
 
 def start(argv: List[str], what: str, port: int) -> "subprocess.Popen[bytes]":
-    """Start a helper (server, relay), remembered so that it is stopped; wait until it
-    listens on ``port``."""
+    """Start a helper (server, relay) that stop_all() stops; wait until it listens on ``port``."""
     helper = subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     _helpers.append(helper)
     deadline = time.monotonic() + START_DEADLINE
@@ -192,13 +189,12 @@ def start(argv: List[str], what: str, port: int) -> "subprocess.Popen[bytes]":
 def stop_all() -> None:
     while _helpers:
         helper = _helpers.pop()
-        if helper.poll() is None:
-            helper.terminate()
-            try:
-                helper.wait(5)
-            except subprocess.TimeoutExpired:
-                helper.kill()
-                helper.wait()
+        helper.terminate()  # nothing if it has ended
+        try:
+            helper.wait(5)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait()
 
 
 def cpu_seconds(pid: int) -> Optional[float]:
@@ -212,8 +208,7 @@ def cpu_seconds(pid: int) -> Optional[float]:
 
 
 def write_certificates(folder: str) -> Dict[str, str]:
-    """The test suite's throw-away CA, its ECDSA P-256 certificate for 127.0.0.1 and key, and
-    an RSA key for the peers' service account, as files in ``folder``."""
+    """The test suite's throw-away CA, server certificate and key, and RSA key, in ``folder``."""
     import test_andpush as t
     paths = {}
     for name, text in (("ca.pem", t.TEST_CA_PEM), ("cert.pem", t.TEST_SERVER_CERT_PEM),
@@ -294,12 +289,8 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
 class OwnHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     wbufsize = 65536  # an answer goes out in one write, at the flush after do_POST
-    log_lock = threading.Lock()
-    log: TextIO
-
-    def setup(self) -> None:
-        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        super().setup()
+    disable_nagle_algorithm = True  # TCP_NODELAY, as nginx
+    log = -1  # the log's file descriptor, opened to append: each line one atomic write
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -312,32 +303,20 @@ class OwnHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def log_request(self, *args: Any) -> None:
-        with self.log_lock:
-            self.log.write("%d HTTP/1.1 %s\n" % (self.client_address[1], self.path))
+        os.write(self.log, b"%d HTTP/1.1 %s\n" % (self.client_address[1], self.path.encode()))
 
 
-class OwnServer(http.server.ThreadingHTTPServer):
-    request_queue_size = 1024  # the listen backlog: up to 700 connections come at once
-
-
-def serve(port: int, cert: str, key: str, log_path: str) -> None:
-    """The own server (``--serve``): serves on ``port`` until killed."""
+def serve(port: int, folder: str) -> None:
+    """The own server (``--serve``): serves on ``port`` until killed, logs to ``folder``."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
+    context.load_cert_chain(os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem"))
     context.set_alpn_protocols(["http/1.1"])
-    with open(log_path, "a", buffering=1) as OwnHandler.log:  # before the port listens
-        server = OwnServer(("127.0.0.1", port), OwnHandler)
-        server.socket = context.wrap_socket(server.socket, server_side=True,
-                                            do_handshake_on_connect=False)  # in each thread
-        server.serve_forever()
-
-
-def start_own(folder: str, certs: Dict[str, str]) -> Tuple[int, int, str]:
-    """Start the own server on a free loopback port: its port, its pid, its log."""
-    port, log = free_port(), os.path.join(folder, "own.log")
-    server = start([sys.executable, os.path.abspath(__file__), "--serve", str(port),
-                    certs["cert.pem"], certs["key.pem"], log], "the own server", port)
-    return port, server.pid, log
+    OwnHandler.log = os.open(os.path.join(folder, OWN_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), OwnHandler)
+    server.socket.listen(LISTEN_BACKLOG)
+    server.socket = context.wrap_socket(server.socket, server_side=True,
+                                        do_handshake_on_connect=False)  # in each thread
+    server.serve_forever()
 
 
 # The relay: 25 ms each way #####################################################################
@@ -399,7 +378,7 @@ class Leg:
 
 def relay(port: int, upstream_port: int, delay: float) -> None:
     """The relay's loop (``--relay``): relays from ``port`` until killed."""
-    listener = socket.create_server(("127.0.0.1", port), backlog=1024)
+    listener = socket.create_server(("127.0.0.1", port), backlog=LISTEN_BACKLOG)
     listener.setblocking(False)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -468,8 +447,7 @@ class Tally:
 
 
 def message_length(data: bytes) -> int:
-    """The length of the HTTP/1.1 message (Content-Length body) at the start of ``data``,
-    or 0 while it is incomplete."""
+    """The length of the whole HTTP/1.1 answer at the start of ``data``, or 0 while incomplete."""
     end = data.find(b"\r\n\r\n")
     found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:end]) if end > 0 else None
     length = end + 4 + (int(found.group(1)) if found else 0)
@@ -503,7 +481,6 @@ class RawConnection:
         if not data.startswith(b"HTTP/1.1 200 "):
             raise RuntimeError("unexpected answer %r" % data[:60])
         return data
-
 
 
 def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None:
@@ -575,12 +552,8 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
 
     def threads(tally: Tally, count: int) -> None:
         parts = [Tally() for _ in range(row.concurrency)]  # one per thread: no lock
-        workers = [threading.Thread(target=sequential, args=(part, count // row.concurrency))
-                   for part in parts]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        with concurrent.futures.ThreadPoolExecutor(row.concurrency) as pool:
+            pool.map(lambda part: sequential(part, count // row.concurrency), parts)
         for part in parts:
             tally.ok, tally.failed = tally.ok + part.ok, tally.failed + part.failed
             tally.first_error = tally.first_error or part.first_error
@@ -601,8 +574,7 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
 
 
 def setup_async(row: Row, port: int, cafile: str) -> Work:
-    """A new asyncio client on an event loop of its own: push() from concurrent tasks, or
-    push_many batches."""
+    """A new asyncio client on a loop of its own: push() from concurrent tasks, or push_many."""
     import asyncio
 
     import andpush
@@ -758,11 +730,7 @@ class Result:
 
 def measure_rtt(port: int, cafile: str) -> float:
     connection = RawConnection(port, cafile)
-    samples = []
-    for _ in range(RTT_SAMPLES):
-        started = time.perf_counter()
-        connection.exchange()
-        samples.append(time.perf_counter() - started)
+    samples = timeit.repeat(connection.exchange, repeat=RTT_SAMPLES, number=1)
     connection.sock.close()
     return statistics.median(samples)
 
@@ -787,9 +755,9 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
         offset = f.seek(0, os.SEEK_END)
     before = cpu_seconds(setting.server_pid), cpu_seconds(setting.relay_pid)
     started = time.perf_counter()
-    command = [sys.executable, os.path.abspath(__file__), "--child", row.name, "--port", str(
-        setting.relay_port if row.relayed else setting.port), "--cafile",
-        setting.certs["ca.pem"], "--rsa-key", setting.certs["rsa.pem"]] + ["--quick"] * quick
+    command = BENCH + ["--child", row.name, "--port", str(setting.relay_port if row.relayed else
+        setting.port), "--cafile", setting.certs["ca.pem"], "--rsa-key", setting.certs["rsa.pem"],
+        ] + ["--quick"] * quick
     env = dict(os.environ, REQUESTS_CA_BUNDLE=setting.certs["ca.pem"],
                SSL_CERT_FILE=setting.certs["ca.pem"])
     try:
@@ -897,13 +865,13 @@ def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
         print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
               % (nginx, port), flush=True)
     else:
-        port, pid, log = start_own(folder, certs)
+        port, log = free_port(), os.path.join(folder, OWN_LOG)
+        pid = start(BENCH + ["--serve", str(port), folder], "the own server", port).pid
         print("NO NGINX%s: bench.py's own HTTP/1.1 server stands in; its figures do not count, "
               "the HTTP/2 rows are not measured (apt-get install nginx-light)"
               % (" (--own-server)" if nginx else " installed"), flush=True)
     relay_port = free_port()
-    relay_process = start([sys.executable, os.path.abspath(__file__), "--relay",
-                           str(relay_port), str(port)], "the relay", relay_port)
+    relay_process = start(BENCH + ["--relay", str(relay_port), str(port)], "the relay", relay_port)
     setting = Setting("nginx" if nginx and not own else "own", port, relay_port, pid,
                       relay_process.pid, log, certs)
     setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
@@ -923,7 +891,7 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--relay", type=int, nargs=2, help=argparse.SUPPRESS)
-    parser.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -937,7 +905,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.relay:
         relay(*args.relay, ONE_WAY_DELAY)
     if args.serve:
-        serve(int(args.serve[0]), *args.serve[1:])
+        serve(int(args.serve[0]), args.serve[1])
     wanted = args.rows.split(",") if args.rows else []
     rows = [row for row in ROWS if not wanted or any(w and w in row.name for w in wanted)]
     if args.list or not rows:
@@ -957,11 +925,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     finally:
         stop_all()
-    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s; %s" % (
-        sys.version.split()[0], ssl.OPENSSL_VERSION, os.cpu_count() or 0,
-        os.getloadavg()[0], ", --quick" if args.quick else "", time.perf_counter() - started,
-        "against nginx" if setting.server == "nginx" else
-        "against bench.py's own server: these figures do not count"))
+    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s; server: %s" % (
+        sys.version.split()[0], ssl.OPENSSL_VERSION, os.cpu_count() or 0, os.getloadavg()[0],
+        ", --quick" if args.quick else "", time.perf_counter() - started, setting.server + (
+            " (bench.py's own: these figures do not count)" * (setting.server == "own"))))
     print(table(list(done.values())))
     return 1 if any(r.note.startswith("failed") for r in done.values()) else 0
 
