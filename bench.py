@@ -535,8 +535,7 @@ def setup_ceiling(row: Row, port: int, cafile: str) -> Work:
     with concurrent.futures.ThreadPoolExecutor(CEILING_CONNECTIONS) as pool:  # handshakes
         connections = list(pool.map(lambda _: RawConnection(port, cafile),
                                     range(CEILING_CONNECTIONS)))
-    return (lambda tally, count: pipeline(connections, tally, count),
-            lambda: [c.sock.close() for c in connections])
+    return functools.partial(pipeline, connections), lambda: [c.sock.close() for c in connections]
 
 
 def setup_andpush(row: Row, port: int, cafile: str) -> Work:
@@ -553,7 +552,7 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
     def threads(tally: Tally, count: int) -> None:
         parts = [Tally() for _ in range(row.concurrency)]  # one per thread: no lock
         with concurrent.futures.ThreadPoolExecutor(row.concurrency) as pool:
-            pool.map(lambda part: sequential(part, count // row.concurrency), parts)
+            list(pool.map(lambda part: sequential(part, count // row.concurrency), parts))
         for part in parts:
             tally.ok, tally.failed = tally.ok + part.ok, tally.failed + part.failed
             tally.first_error = tally.first_error or part.first_error
@@ -728,13 +727,6 @@ class Result:
     note: str = ""
 
 
-def measure_rtt(port: int, cafile: str) -> float:
-    connection = RawConnection(port, cafile)
-    samples = timeit.repeat(connection.exchange, repeat=RTT_SAMPLES, number=1)
-    connection.sock.close()
-    return statistics.median(samples)
-
-
 def cpu_share(pid: int, before: Optional[float], seconds: float) -> Optional[float]:
     after = cpu_seconds(pid)
     return None if before is None or after is None else (after - before) / seconds
@@ -874,7 +866,9 @@ def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
     relay_process = start(BENCH + ["--relay", str(relay_port), str(port)], "the relay", relay_port)
     setting = Setting("nginx" if nginx and not own else "own", port, relay_port, pid,
                       relay_process.pid, log, certs)
-    setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
+    probe = RawConnection(relay_port, certs["ca.pem"])
+    setting.rtt = statistics.median(timeit.repeat(probe.exchange, repeat=RTT_SAMPLES, number=1))
+    probe.sock.close()
     print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
           "ideals" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES), flush=True)
     return setting
