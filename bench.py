@@ -49,7 +49,7 @@ BENCH = [sys.executable, os.path.abspath(__file__)]  #: how bench.py starts its 
 PROJECT = "p"
 FLOOR_PROJECT = "floor"  #: the project of a row's own floor requests, told apart in the log
 V1_BODY = b'{"name": "projects/p/messages/0:1"}'  #: the own server's answer to a send
-OWN_LOG = "own.log"  #: the own server's log, in the run's folder, written before it listens
+OWN_LOG = "own.log"  #: the own server's log in the run's folder, made before the port listens
 TOKEN_BODY = b'{"access_token": "bench-token", "expires_in": 3600, "token_type": "Bearer"}'
 DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
 ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
@@ -290,7 +290,7 @@ class OwnHandler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     wbufsize = 65536  # an answer goes out in one write, at the flush after do_POST
     disable_nagle_algorithm = True  # TCP_NODELAY, as nginx
-    log = -1  # the log's file descriptor, opened to append: each line one atomic write
+    log_fd = -1  # the log, opened to append: each line is one atomic write, no lock
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -303,7 +303,7 @@ class OwnHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def log_request(self, *args: Any) -> None:
-        os.write(self.log, b"%d HTTP/1.1 %s\n" % (self.client_address[1], self.path.encode()))
+        os.write(self.log_fd, b"%d HTTP/1.1 %s\n" % (self.client_address[1], self.path.encode()))
 
 
 def serve(port: int, folder: str) -> None:
@@ -311,7 +311,8 @@ def serve(port: int, folder: str) -> None:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem"))
     context.set_alpn_protocols(["http/1.1"])
-    OwnHandler.log = os.open(os.path.join(folder, OWN_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    OwnHandler.log_fd = os.open(os.path.join(folder, OWN_LOG),
+                                os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), OwnHandler)
     server.socket.listen(LISTEN_BACKLOG)
     server.socket = context.wrap_socket(server.socket, server_side=True,
@@ -747,11 +748,10 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
         offset = f.seek(0, os.SEEK_END)
     before = cpu_seconds(setting.server_pid), cpu_seconds(setting.relay_pid)
     started = time.perf_counter()
-    command = BENCH + ["--child", row.name, "--port", str(setting.relay_port if row.relayed else
-        setting.port), "--cafile", setting.certs["ca.pem"], "--rsa-key", setting.certs["rsa.pem"],
-        ] + ["--quick"] * quick
-    env = dict(os.environ, REQUESTS_CA_BUNDLE=setting.certs["ca.pem"],
-               SSL_CERT_FILE=setting.certs["ca.pem"])
+    port, ca = (setting.relay_port if row.relayed else setting.port), setting.certs["ca.pem"]
+    command = BENCH + ["--child", row.name, "--port", str(port), "--cafile", ca, "--rsa-key",
+                       setting.certs["rsa.pem"]] + ["--quick"] * quick
+    env = dict(os.environ, REQUESTS_CA_BUNDLE=ca, SSL_CERT_FILE=ca)
     try:
         child = subprocess.run(command, capture_output=True, text=True, env=env, cwd=HERE,
                                timeout=CHILD_DEADLINE)
