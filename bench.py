@@ -852,7 +852,8 @@ def table(results: List[Result]) -> str:
 def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
     """nginx (or the own server), the relay in front of it, and the round trip through it."""
     nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-    if nginx and not own:
+    server = "nginx" if nginx and not own else "own"
+    if server == "nginx":
         port, pid, log = start_nginx(nginx, folder, certs)
         print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
               % (nginx, port), flush=True)
@@ -864,8 +865,7 @@ def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
               % (" (--own-server)" if nginx else " installed"), flush=True)
     relay_port = free_port()
     relay_process = start(BENCH + ["--relay", str(relay_port), str(port)], "the relay", relay_port)
-    setting = Setting("nginx" if nginx and not own else "own", port, relay_port, pid,
-                      relay_process.pid, log, certs)
+    setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs)
     probe = RawConnection(relay_port, certs["ca.pem"])
     setting.rtt = statistics.median(timeit.repeat(probe.exchange, repeat=RTT_SAMPLES, number=1))
     probe.sock.close()
