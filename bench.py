@@ -1,22 +1,22 @@
 """Benchmark andpush against a server we did not write: nginx on loopback.
 
 ``python bench.py`` (a few minutes); ``--quick`` (a smoke run), ``--rows NAME,...`` (parts of
-names; ``--list`` shows them). No network, no credentials. The peers (pyfcm, firebase-admin)
-run when importable: use a virtual environment's interpreter that has them.
+names; ``--list`` shows them), ``--own-server``. No network, no credentials. The peers (pyfcm,
+firebase-admin) run when importable: use a virtual environment's interpreter that has them.
 
 nginx (``apt-get install nginx-light``) runs from a temporary folder with the tests' throw-away
-certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM. Its
-access log gives the ``proto`` and ``conns`` columns (the connections that carried pushes).
-Without nginx nothing is measured: figures count only against a server we did not write.
+certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection as FCM; its
+access log gives ``proto`` and ``conns`` (the connections that carried pushes). Without it (or
+with ``--own-server``) the standard library's HTTP/1.1 server stands in: its figures do not
+count, the HTTP/2 rows are not measured. Column ``server`` says which server a row used.
 
 ``(50 ms)`` rows go through a relay that holds bytes 25 ms each way (a new connection's first
-bytes a round trip more: its handshake). The measured round trip is the RTT of the ideals
-(concurrency / RTT, the concurrency over HTTP/2 at most 100 streams on each connection used);
-row ``relay-ceiling`` shows the relay carries 3x the top one. Each row runs in a child
-process: ``msg/s`` is successes over wall time, ``CPU/1k`` the child's CPU (all threads) per
-1,000 messages, ``ratio`` to the ideal or to the floor (raw requests on one kept-alive TLS
-socket; the row takes turns with its own floor), ``srv/relay`` the share of a core the server
-and relay used. The targets are all in ROWS.
+bytes a round trip more: its handshake). Their ideal is the concurrency (over HTTP/2, at most
+100 streams on each connection used) over the measured round trip; ``relay-ceiling`` shows the
+relay carries 3x the top one. Each row runs in a child process: ``msg/s`` is successes over
+wall time, ``CPU/1k`` the child's CPU (all threads) per 1,000 messages, ``ratio`` to the ideal
+or to the floor (raw requests on one kept-alive TLS socket, taking turns with the row),
+``srv/relay`` the share of a core the server and relay used. The targets are all in ROWS.
 """
 
 import argparse
@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import functools
 import heapq
+import http.server
 import importlib.util
 import itertools
 import json
@@ -38,14 +39,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import timeit
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = [sys.executable, os.path.abspath(__file__)]  #: how bench.py starts its helpers, children
 PROJECT = "p"
 FLOOR_PROJECT = "floor"  #: the project of a row's own floor requests, told apart in the log
+V1_BODY = b'{"name": "projects/p/messages/0:1"}'  #: the own server's answer to a send
+OWN_LOG = "own.log"  #: the own server's log in the run's folder, made before the port listens
 TOKEN_BODY = b'{"access_token": "bench-token", "expires_in": 3600, "token_type": "Bearer"}'
 DEVICE_TOKEN = "bench-device-token:" + "APA91bH3x9Qd-7kL2mZ" * 7
 ONE_WAY_DELAY = 0.025  #: seconds the relay holds bytes in each direction
@@ -60,6 +64,7 @@ KEEPALIVE_REQUESTS = 10_000_000  #: nginx closes no connection in a run ...
 KEEPALIVE_SECONDS = 3600  #: ... nor for idleness
 CHILD_DEADLINE = 600  #: seconds a row may take before it is killed
 START_DEADLINE = 10  #: seconds a server or the relay may take to listen
+LISTEN_BACKLOG = 1024  #: the own server's and the relay's: up to 700 connections come at once
 
 
 # The rows and their targets, in one place ######################################################
@@ -102,8 +107,7 @@ ROWS = [
     Row("threads-100", "threads", "push() from 100 threads, new client", count=4000,
         relayed=True, concurrency=100, base="ideal", min_ratio=0.9, max_conns=2, max_cpu=0.08),
     Row("async-push-1000", "async-push", "asyncio: await push() from 1,000 tasks, new client",
-        count=20_000, relayed=True, concurrency=1000, base="ideal", min_ratio=0.9,
-        max_cpu=0.05),
+        count=20_000, relayed=True, concurrency=1000, base="ideal", min_ratio=0.9, max_cpu=0.05),
     Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
         count=10_000, relayed=True, concurrency=100, base="ideal"),
     Row("many-700-new", "many", "push_many(concurrency=700), 10k on a new client",
@@ -122,12 +126,10 @@ ROWS = [
         max_cpu=0.03, cpu_below=("fbadmin-async", 10.0)),
     Row("many-direct", "many", "push_many(concurrency=100), no delay: client-bound",
         count=50_000, concurrency=100, warm=100, min_rate=40_000),
-    Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client",
-        count=10_000, relayed=True, http2=False, concurrency=100, base="ideal", min_ratio=0.9,
-        max_cpu=0.10),
-    Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client",
-        count=10_000, relayed=True, http2=False, concurrency=200, base="ideal", min_ratio=0.9,
-        max_cpu=0.10),
+    Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client", count=10_000,
+        relayed=True, http2=False, concurrency=100, base="ideal", min_ratio=0.9, max_cpu=0.10),
+    Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client", count=10_000,
+        relayed=True, http2=False, concurrency=200, base="ideal", min_ratio=0.9, max_cpu=0.10),
     Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, http2=False,
         base="floor", module=PYFCM),
     Row("fbadmin-send", "fbadmin-send", "peer: firebase-admin messaging.send() sequential",
@@ -142,13 +144,12 @@ ROWS = [
     Row("import-fbadmin", "import", "import firebase_admin.messaging",
         module=FBADMIN + ".messaging"),
 ]
-PIP_NAMES = {PYFCM: "pyfcm", FBADMIN: "firebase-admin"}
 
 
 def missing_package(row: Row) -> str:
     """The pip name of what a row needs and cannot import here, or ""."""
     top = row.module.split(".")[0]
-    return PIP_NAMES.get(top, top) if top and importlib.util.find_spec(top) is None else ""
+    return top.replace("_", "-") if top and importlib.util.find_spec(top) is None else ""
 
 
 # Processes this run starts, stopped whatever happens ###########################################
@@ -172,8 +173,7 @@ def free_port() -> int:
 
 
 def start(argv: List[str], what: str, port: int) -> "subprocess.Popen[bytes]":
-    """Start a helper (server, relay), remembered so that it is stopped; wait until it
-    listens on ``port``."""
+    """Start a helper (server, relay) that stop_all() stops; wait until it listens on ``port``."""
     helper = subprocess.Popen(argv, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
     _helpers.append(helper)
     deadline = time.monotonic() + START_DEADLINE
@@ -189,13 +189,12 @@ def start(argv: List[str], what: str, port: int) -> "subprocess.Popen[bytes]":
 def stop_all() -> None:
     while _helpers:
         helper = _helpers.pop()
-        if helper.poll() is None:
-            helper.terminate()
-            try:
-                helper.wait(5)
-            except subprocess.TimeoutExpired:
-                helper.kill()
-                helper.wait()
+        helper.terminate()  # nothing if it has ended
+        try:
+            helper.wait(5)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            helper.wait()
 
 
 def cpu_seconds(pid: int) -> Optional[float]:
@@ -209,8 +208,7 @@ def cpu_seconds(pid: int) -> Optional[float]:
 
 
 def write_certificates(folder: str) -> Dict[str, str]:
-    """The test suite's throw-away CA, its ECDSA P-256 certificate for 127.0.0.1 and key, and
-    an RSA key for the peers' service account, as files in ``folder``."""
+    """The test suite's throw-away CA, server certificate and key, and RSA key, in ``folder``."""
     import test_andpush as t
     paths = {}
     for name, text in (("ca.pem", t.TEST_CA_PEM), ("cert.pem", t.TEST_SERVER_CERT_PEM),
@@ -284,6 +282,44 @@ def start_nginx(nginx: str, folder: str, certs: Dict[str, str]) -> Tuple[int, in
     return port, worker, os.path.join(folder, "access.log")
 
 
+# bench.py's own server (only without nginx) ####################################################
+# The standard library's threading HTTP/1.1 server (the HTTP/2 rows need nginx), logging as
+# nginx does: a connection (its client's port), the protocol, the path.
+
+class OwnHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    wbufsize = 65536  # an answer goes out in one write, at the flush after do_POST
+    disable_nagle_algorithm = True  # TCP_NODELAY, as nginx
+    log_fd = -1  # the log, opened to append: each line is one atomic write, no lock
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        status, body = ((200, V1_BODY) if self.path.endswith("/messages:send") else
+                        (200, TOKEN_BODY) if self.path == "/token" else (404, b"{}"))
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_request(self, *args: Any) -> None:
+        os.write(self.log_fd, b"%d HTTP/1.1 %s\n" % (self.client_address[1], self.path.encode()))
+
+
+def serve(port: int, folder: str) -> None:
+    """The own server (``--serve``): serves on ``port`` until killed, logs to ``folder``."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem"))
+    context.set_alpn_protocols(["http/1.1"])
+    OwnHandler.log_fd = os.open(os.path.join(folder, OWN_LOG),
+                                os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), OwnHandler)
+    server.socket.listen(LISTEN_BACKLOG)
+    server.socket = context.wrap_socket(server.socket, server_side=True,
+                                        do_handshake_on_connect=False)  # in each thread
+    server.serve_forever()
+
+
 # The relay: 25 ms each way #####################################################################
 
 class Leg:
@@ -343,7 +379,7 @@ class Leg:
 
 def relay(port: int, upstream_port: int, delay: float) -> None:
     """The relay's loop (``--relay``): relays from ``port`` until killed."""
-    listener = socket.create_server(("127.0.0.1", port), backlog=1024)
+    listener = socket.create_server(("127.0.0.1", port), backlog=LISTEN_BACKLOG)
     listener.setblocking(False)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -412,8 +448,7 @@ class Tally:
 
 
 def message_length(data: bytes) -> int:
-    """The length of the HTTP/1.1 message (Content-Length body) at the start of ``data``,
-    or 0 while it is incomplete."""
+    """The length of the whole HTTP/1.1 answer at the start of ``data``, or 0 while incomplete."""
     end = data.find(b"\r\n\r\n")
     found = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", data[:end]) if end > 0 else None
     length = end + 4 + (int(found.group(1)) if found else 0)
@@ -447,7 +482,6 @@ class RawConnection:
         if not data.startswith(b"HTTP/1.1 200 "):
             raise RuntimeError("unexpected answer %r" % data[:60])
         return data
-
 
 
 def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None:
@@ -502,8 +536,7 @@ def setup_ceiling(row: Row, port: int, cafile: str) -> Work:
     with concurrent.futures.ThreadPoolExecutor(CEILING_CONNECTIONS) as pool:  # handshakes
         connections = list(pool.map(lambda _: RawConnection(port, cafile),
                                     range(CEILING_CONNECTIONS)))
-    return (lambda tally, count: pipeline(connections, tally, count),
-            lambda: [c.sock.close() for c in connections])
+    return functools.partial(pipeline, connections), lambda: [c.sock.close() for c in connections]
 
 
 def setup_andpush(row: Row, port: int, cafile: str) -> Work:
@@ -519,12 +552,8 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
 
     def threads(tally: Tally, count: int) -> None:
         parts = [Tally() for _ in range(row.concurrency)]  # one per thread: no lock
-        workers = [threading.Thread(target=sequential, args=(part, count // row.concurrency))
-                   for part in parts]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
+        with concurrent.futures.ThreadPoolExecutor(row.concurrency) as pool:
+            list(pool.map(lambda part: sequential(part, count // row.concurrency), parts))
         for part in parts:
             tally.ok, tally.failed = tally.ok + part.ok, tally.failed + part.failed
             tally.first_error = tally.first_error or part.first_error
@@ -545,8 +574,7 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
 
 
 def setup_async(row: Row, port: int, cafile: str) -> Work:
-    """A new asyncio client on an event loop of its own: push() from concurrent tasks, or
-    push_many batches."""
+    """A new asyncio client on a loop of its own: push() from concurrent tasks, or push_many."""
     import asyncio
 
     import andpush
@@ -681,9 +709,10 @@ def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Di
 class Setting:
     """What the rows run against."""
 
+    server: str  # "nginx" or "own"
     port: int
     relay_port: int
-    server_pid: int  # nginx's worker
+    server_pid: int  # nginx's worker or the own server
     relay_pid: int
     log: str  # lines of "connection protocol path"
     certs: Dict[str, str]
@@ -693,21 +722,10 @@ class Setting:
 @dataclass
 class Result:
     row: Row
-    cells: Tuple[str, ...] = ("-",) * 6  # proto, conns, msg/s, ratio, CPU/1k, srv/relay
+    cells: Tuple[str, ...] = ("-",) * 7  # server, proto, conns, msg/s, ratio, CPU/1k, srv/relay
     cpu: Optional[float] = None  # seconds per 1,000 messages
     checks: Tuple[Tuple[str, bool], ...] = ()  # (target, met)
     note: str = ""
-
-
-def measure_rtt(port: int, cafile: str) -> float:
-    connection = RawConnection(port, cafile)
-    samples = []
-    for _ in range(RTT_SAMPLES):
-        started = time.perf_counter()
-        connection.exchange()
-        samples.append(time.perf_counter() - started)
-    connection.sock.close()
-    return statistics.median(samples)
 
 
 def cpu_share(pid: int, before: Optional[float], seconds: float) -> Optional[float]:
@@ -723,15 +741,17 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
         return result
     if row.kind == "import":
         return import_row(row, result)
+    if row.http2 and setting.server != "nginx":
+        result.note = "not measured: needs nginx"
+        return result
     with open(setting.log, "rb") as f:
         offset = f.seek(0, os.SEEK_END)
     before = cpu_seconds(setting.server_pid), cpu_seconds(setting.relay_pid)
     started = time.perf_counter()
-    command = [sys.executable, os.path.abspath(__file__), "--child", row.name, "--port", str(
-        setting.relay_port if row.relayed else setting.port), "--cafile",
-        setting.certs["ca.pem"], "--rsa-key", setting.certs["rsa.pem"]] + ["--quick"] * quick
-    env = dict(os.environ, REQUESTS_CA_BUNDLE=setting.certs["ca.pem"],
-               SSL_CERT_FILE=setting.certs["ca.pem"])
+    port, ca = (setting.relay_port if row.relayed else setting.port), setting.certs["ca.pem"]
+    command = BENCH + ["--child", row.name, "--port", str(port), "--cafile", ca, "--rsa-key",
+                       setting.certs["rsa.pem"]] + ["--quick"] * quick
+    env = dict(os.environ, REQUESTS_CA_BUNDLE=ca, SSL_CERT_FILE=ca)
     try:
         child = subprocess.run(command, capture_output=True, text=True, env=env, cwd=HERE,
                                timeout=CHILD_DEADLINE)
@@ -756,7 +776,7 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
     in_flight = min(row.concurrency, H2_STREAMS * conns) if row.http2 else row.concurrency
     base = (in_flight / setting.rtt if row.base == "ideal" else
             report["floor_ok"] / report["floor_seconds"] if row.base == "floor" else None)
-    result.cells = ("+".join(
+    result.cells = (setting.server, "+".join(
         {"HTTP/2.0": "h2"}.get(p, p.lower()) + ("" if len(protocols) == 1 else " %d" % n)
         for p, n in sorted(protocols.items())) or "-", str(conns), "{:,.0f}".format(rate),
         "%.2f %s" % (rate / base, row.base) if base else "-", "%.3f" % result.cpu,
@@ -805,13 +825,13 @@ def import_row(row: Row, result: Result) -> Result:
                                  env=environment).stdout)
             for _ in range(IMPORT_SAMPLES + 1)][1:]  # the first writes the bytecode cache
     milliseconds = 1000 * statistics.median(runs)
-    result.cells = ("-",) * 2 + ("%.1f ms" % milliseconds,) + ("-",) * 3
+    result.cells = ("-",) * 3 + ("%.1f ms" % milliseconds,) + ("-",) * 3
     if row.max_ms is not None:
         result.checks = (("<=%g ms" % row.max_ms, milliseconds <= row.max_ms),)
     return result
 
 
-COLUMNS = ("row", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/relay",
+COLUMNS = ("row", "server", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/relay",
            "target", "met")
 
 
@@ -821,7 +841,7 @@ def table(results: List[Result]) -> str:
         ("met" if all(ok for _, ok in r.checks) else "MISSED") if r.checks else "-",
     ) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) if 2 <= i <= 6 else cell.ljust(w)
+    lines = ["  ".join(cell.rjust(w) if 3 <= i <= 7 else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]
     notes = ["%s: %s%s" % (r.row.name, r.row.title, " -- " + r.note if r.note else "")
@@ -829,16 +849,26 @@ def table(results: List[Result]) -> str:
     return "\n".join(lines + [""] + notes)
 
 
-def start_servers(nginx: str, folder: str, certs: Dict[str, str]) -> Setting:
-    """nginx, the relay in front of it, and the round trip through it."""
-    port, pid, log = start_nginx(nginx, folder, certs)
-    print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d" % (nginx, port),
-          flush=True)
+def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
+    """nginx (or the own server), the relay in front of it, and the round trip through it."""
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
+    server = "nginx" if nginx and not own else "own"
+    if server == "nginx":
+        port, pid, log = start_nginx(nginx, folder, certs)
+        print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
+              % (nginx, port), flush=True)
+    else:
+        port, log = free_port(), os.path.join(folder, OWN_LOG)
+        pid = start(BENCH + ["--serve", str(port), folder], "the own server", port).pid
+        print("NO NGINX%s: bench.py's own HTTP/1.1 server stands in; its figures do not count, "
+              "the HTTP/2 rows are not measured (apt-get install nginx-light)"
+              % (" (--own-server)" if nginx else " installed"), flush=True)
     relay_port = free_port()
-    relay_process = start([sys.executable, os.path.abspath(__file__), "--relay",
-                           str(relay_port), str(port)], "the relay", relay_port)
-    setting = Setting(port, relay_port, pid, relay_process.pid, log, certs)
-    setting.rtt = measure_rtt(relay_port, certs["ca.pem"])
+    relay_process = start(BENCH + ["--relay", str(relay_port), str(port)], "the relay", relay_port)
+    setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs)
+    probe = RawConnection(relay_port, certs["ca.pem"])
+    setting.rtt = statistics.median(timeit.repeat(probe.exchange, repeat=RTT_SAMPLES, number=1))
+    probe.sock.close()
     print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
           "ideals" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES), flush=True)
     return setting
@@ -849,10 +879,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smaller counts: a smoke run")
     parser.add_argument("--rows", help="comma-separated row names (or parts of names)")
     parser.add_argument("--list", action="store_true", help="list the rows and exit")
+    parser.add_argument("--own-server", action="store_true",
+                        help="use bench.py's own server even where nginx is installed")
     for hidden in ("--child", "--cafile", "--rsa-key"):  # what bench.py passes its helpers
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--relay", type=int, nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -865,34 +898,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if args.relay:
         relay(*args.relay, ONE_WAY_DELAY)
+    if args.serve:
+        serve(int(args.serve[0]), args.serve[1])
     wanted = args.rows.split(",") if args.rows else []
     rows = [row for row in ROWS if not wanted or any(w and w in row.name for w in wanted)]
     if args.list or not rows:
         print("\n".join("%-15s %s" % (row.name, row.title) for row in ROWS))
         return 0 if args.list else 2
-    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
-    if not nginx:
-        print("bench.py measures against nginx, which is not installed (apt-get install "
-              "nginx-light)", file=sys.stderr)
-        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the helpers stop
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="andpush-bench-") as folder:
-            setting = start_servers(nginx, folder, write_certificates(folder))
+            setting = start_servers(folder, write_certificates(folder), args.own_server)
             done: Dict[str, Result] = {}
             for row in rows:
                 print("running %s ..." % row.name, file=sys.stderr, flush=True)
                 done[row.name] = run_row(row, setting, args.quick)
-            stop_all()
             compare_cpu(done)
     except KeyboardInterrupt:
         return 130
     finally:
         stop_all()
-    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s" % (
-        sys.version.split()[0], ssl.OPENSSL_VERSION, os.cpu_count() or 0,
-        os.getloadavg()[0], ", --quick" if args.quick else "", time.perf_counter() - started))
+    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s; server: %s" % (
+        sys.version.split()[0], ssl.OPENSSL_VERSION, os.cpu_count() or 0, os.getloadavg()[0],
+        ", --quick" if args.quick else "", time.perf_counter() - started, setting.server + (
+            " (bench.py's own: these figures do not count)" * (setting.server == "own"))))
     print(table(list(done.values())))
     return 1 if any(r.note.startswith("failed") for r in done.values()) else 0
 
