@@ -2214,28 +2214,36 @@ class _Engine:
         for batch in list(self._batches):
             ready = batch.ready()
             while ready:  # again: an exchange may end at once (a token error) and make room
-                for exchange in ready:
-                    self._begin(exchange)
+                self._begin_all(ready)
                 ready = batch.ready()
             if batch.ended():
                 self._batches.remove(batch)
                 batch.route.limit -= batch.concurrency
 
-    def _begin_all(self, exchanges: List[_Exchange]) -> None:
-        for exchange in exchanges:
-            self._begin(exchange)
-
     def _begin(self, exchange: _Exchange) -> None:
         """Start ``exchange`` at the moment the policy gives it (now, or a timer)."""
+        self._begin_all([exchange])
+
+    def _begin_all(self, exchanges: List[_Exchange]) -> None:
+        """Start each exchange at the moment the policy gives it (now, or a timer). Those
+        that may start now are placed together: one clock reading, one placing per route."""
         clock = self.policy.clock
         now = clock.now()
-        start = self.policy.start_at(exchange, now)
-        if start is None:
-            exchange.on_done(exchange)
-        elif start > now:
-            self._after(clock.delay(start - now), self._enqueue, exchange)
-        else:
-            self._enqueue(exchange)
+        start_at = self.policy.start_at
+        routes: List[_Route] = []
+        for exchange in exchanges:
+            start = start_at(exchange, now)
+            if start is None:
+                exchange.on_done(exchange)
+            elif start > now:
+                self._after(clock.delay(start - now), self._enqueue, exchange)
+            else:
+                route = exchange.route
+                route.waiting.append(exchange)
+                if route not in routes:
+                    routes.append(route)
+        for route in routes:
+            self._place(route)
 
     def _after(self, seconds: float, then: Callable[[_Exchange], None],
                exchange: _Exchange) -> None:
@@ -2253,19 +2261,32 @@ class _Engine:
         self._place(exchange.route)
 
     def _place(self, route: _Route) -> None:
-        """Start waiting exchanges on connections with room; open more when needed."""
-        while route.waiting:
-            link = self._link_for(route)
+        """Start waiting exchanges on connections with room, as many on each as it takes
+        at once; open more when needed."""
+        waiting = route.waiting
+        if not waiting:
+            return
+        now = self.policy.clock.now()
+        while waiting:
+            link = self._link_for(route, now)
             if link is None:
                 self._open_more(route)
                 return
-            exchange = route.waiting.popleft()
-            headers = self._sign(exchange)
-            if headers is not None:
-                self._start(link, exchange, headers)
+            room = link.conn.free_streams if isinstance(link, _H2Link) else 1
+            started = False
+            while room and waiting:
+                exchange = waiting.popleft()
+                headers = self._sign(exchange)
+                if headers is None:
+                    break  # it waits for a token, or ended: the link may have changed
+                self._start(link, exchange, headers, now)
+                room -= 1
+                started = True
+            if started:
+                self._wants_write(link)
 
-    def _link_for(self, route: _Route) -> Optional[_Link]:
-        now = self.policy.clock.now()
+    def _link_for(self, route: _Route, now: float) -> Optional[_Link]:
+        """A connection with room for another request, replacing those idle too long."""
         for h2 in list(route.h2):
             if not h2.conn.streams and now - h2.idle_since > self._keep_alive_timeout:
                 self._drop(h2)  # idle too long: replaced rather than reused
@@ -2342,8 +2363,10 @@ class _Engine:
                 exchange.signed = result
                 self._enqueue(exchange)
 
-    def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str]) -> None:
-        exchange.deadline = self.policy.clock.now() + (exchange.timeout or self._read_timeout)
+    def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str],
+               now: float) -> None:
+        """Queue the request on ``link`` (the caller has it written)."""
+        exchange.deadline = now + (exchange.timeout or self._read_timeout)
         if isinstance(link, _H2Link):
             link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
                             exchange.deadline)
@@ -2355,7 +2378,6 @@ class _Engine:
             link.reader = _H1Reader()
             link.out += _encode_request(link.route.host, exchange.method, exchange.path,
                                         headers, exchange.body)
-        self._wants_write(link)
 
     def _wants_write(self, link: _Link) -> None:
         if link not in self._dirty:
