@@ -2089,7 +2089,8 @@ class _Engine:
     # What the driver calls -----------------------------------------------------------
 
     def _turn(self, now: float) -> Optional[float]:
-        """Do what is due: timers, prepared batches, deadlines, then write what waits.
+        """Do what is due: timers, prepared batches (the outcomes of those that ended stored,
+        and more started), deadlines, then write what waits.
 
         Returns the seconds the driver may wait before the next turn (None: until a
         connection or a caller has something)."""
@@ -2101,6 +2102,8 @@ class _Engine:
         for link in dirty:
             if not link.closed:
                 self._send(link)
+        for batch in self._batches:  # what ended after they were fed, in this turn
+            batch.store_ended()
         return self._timeout(now)
 
     def _is_idle(self) -> bool:
@@ -3219,6 +3222,10 @@ class _Batch:
         self._discarded = False
         self._engine_waits = False  # the engine found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None  # raised after the last pair
+        # Exchanges the engine ended and has not stored yet: its thread alone touches this
+        # list, and stores a burst of them with one lock round trip (in ``ready``).
+        self._ended: List[_Exchange] = []
+        self._fed = True  # the engine still calls ``ready``; after ``abandon`` it does not
 
     # What the subclass provides (each called with the lock held) -----------------------
 
@@ -3274,8 +3281,10 @@ class _Batch:
 
     def ready(self) -> List[_Exchange]:
         """The exchanges of the items that may start now, within ``concurrency``: a bad
-        message (TypeError, ValueError) gets its outcome instead."""
+        message (TypeError, ValueError) gets its outcome instead. The outcomes of the
+        exchanges that ended since the last call are stored first, making room."""
         with self._lock:
+            self._store_ended()
             if self._discarded:  # taken from the input, never to be sent
                 for index in self._prepared:
                     self._store(index, self._items_out.pop(index),
@@ -3311,12 +3320,32 @@ class _Batch:
             return not self._reading and not self._prepared and not self._in_flight
 
     def _finished(self, exchange: _Exchange) -> None:
+        """An exchange ended (on the engine's thread): its outcome is stored with the rest of
+        its burst, at the engine's next ``ready`` or at the end of its turn."""
         assert exchange.outcome is not None
+        if self._fed:
+            self._ended.append(exchange)
+            return
         with self._lock:
-            self._in_flight -= 1
+            self._ended.append(exchange)
+            self._store_ended()
+            self._note_room()
+
+    def store_ended(self) -> None:
+        """Store the outcomes of the exchanges that ended, if any (the engine's thread)."""
+        if self._ended:
+            with self._lock:
+                self._store_ended()
+                self._note_room()
+
+    def _store_ended(self) -> None:
+        """Store the outcomes of the exchanges that ended (the lock is held)."""
+        ended, self._ended = self._ended, []
+        self._in_flight -= len(ended)
+        for exchange in ended:
+            assert exchange.outcome is not None
             self._store(exchange.index, self._items_out.pop(exchange.index, None),
                         exchange.outcome)
-            self._note_room()
 
     def _note_room(self) -> None:
         """Whether the engine, with room and nothing prepared, waits for the feeder's wake
@@ -3328,6 +3357,8 @@ class _Batch:
         """The engine is gone: the items waiting to start end unsent, and so does the reading
         (the exchanges in flight get their outcomes from the engine)."""
         with self._lock:
+            self._fed = False
+            self._store_ended()
             for index in self._prepared:
                 self._store(index, self._items_out.pop(index),
                             NetworkError(reason, may_have_been_delivered=False))
