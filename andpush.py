@@ -3255,19 +3255,29 @@ class _Batch:
         """Items read whose pair the consumer has not been given yet."""
         return self._read - self._yielded + len(self._handed)
 
-    def _prepare(self, item: Any) -> None:
-        """Keep an item just read for the engine, which makes its exchange when it can
-        start it (one thread doing all the work is cheaper than two sharing it)."""
+    def _room_left(self) -> int:
+        """How many items the feeder may read before it must wait for room (the lock is
+        held); 0 once reading has stopped."""
+        if not self._reading:
+            return 0
+        return max(0, min(self.concurrency - len(self._prepared), self._window - self._ahead()))
+
+    def _prepare(self, items: Iterable[Any]) -> bool:
+        """Keep items just read for the engine, which makes their exchanges when it can
+        start them (one thread doing all the work is cheaper than two sharing it).
+        False when reading stopped while they were read: they are not sent."""
         with self._lock:
-            if not self._reading:  # stopped while the input was being read: not sent
-                return
-            index = self._read
-            self._read += 1
-            self._items_out[index] = item
-            self._prepared.append(index)
+            if not self._reading:
+                return False
+            for item in items:
+                index = self._read
+                self._read += 1
+                self._items_out[index] = item
+                self._prepared.append(index)
             wake, self._engine_waits = self._engine_waits, False
         if wake:
             self.route.loop.wake()
+        return True
 
     def _end_of_input(self, error: Optional[BaseException]) -> None:
         with self._lock:
@@ -3462,22 +3472,27 @@ class _ThreadBatch(_Batch):
         self._room.notify()
 
     def feed(self) -> None:
-        """On the feeder thread: read and prepare until the input ends or reading stops."""
+        """On the feeder thread: read and prepare until the input ends or reading stops.
+        Each item is prepared as soon as it is read (the input may be slow to give the
+        next); the room is looked at once per run of items that fit."""
         while True:
             with self._lock:
                 while self._must_wait():
                     self._room.wait()
-                if not self._reading:
+                room = self._room_left()
+            if not room:
+                return
+            for _ in range(room):
+                try:
+                    item = next(self._items)
+                except StopIteration:
+                    self._end_of_input(None)
                     return
-            try:
-                item = next(self._items)
-            except StopIteration:
-                self._end_of_input(None)
-                return
-            except BaseException as exc:  # the caller's generator failed: hand it over
-                self._end_of_input(exc)
-                return
-            self._prepare(item)
+                except BaseException as exc:  # the caller's generator failed: hand it over
+                    self._end_of_input(exc)
+                    return
+                if not self._prepare((item,)):
+                    return
 
     def next_pair(self) -> Tuple[Any, Outcome]:
         """The next (item, outcome) in input order, once it has ended; StopIteration
@@ -3528,36 +3543,57 @@ class _AsyncBatch(_Batch):
 
     async def _feed(self) -> None:
         """Read and prepare until the input ends or reading stops; room is awaited before
-        each item is taken, so no item waits outside the window."""
+        items are taken, so no item waits outside the window. An async iterable's items
+        are prepared one by one, as they come; a plain iterable's (read without awaiting)
+        a run at a time."""
         try:
             await self._before()
             if isinstance(self._items, AsyncIterable):
                 items = self._items.__aiter__()
-                while await self._room_for_more():
-                    try:
-                        item = await items.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    self._prepare(item)
+                while await self._async_run(items, await self._room_for_more()):
+                    pass
             else:
                 iterator = iter(self._items)
-                while await self._room_for_more():
-                    try:
-                        item = next(iterator)
-                    except StopIteration:
-                        break
-                    self._prepare(item)
+                while self._run(iterator, await self._room_for_more()):
+                    pass
         except Exception as exc:  # the caller's iterable failed: hand it over
             self._end_of_input(exc)
         else:
             self._end_of_input(None)
 
-    async def _room_for_more(self) -> bool:
-        """Wait while the window is full; False once reading has stopped."""
+    async def _async_run(self, items: AsyncIterator[Any], room: int) -> bool:
+        """Read and prepare up to ``room`` items; False when no more are to be read."""
+        for _ in range(room):
+            try:
+                item = await items.__anext__()
+            except StopAsyncIteration:
+                return False
+            if not self._prepare((item,)):
+                return False
+        return room > 0
+
+    def _run(self, iterator: Iterator[Any], room: int) -> bool:
+        """Read up to ``room`` items and prepare them together (those read before the input
+        failed too); False when no more are to be read."""
+        run: List[Any] = []
+        try:
+            for _ in range(room):
+                run.append(next(iterator))
+        except StopIteration:
+            self._prepare(run)
+            return False
+        except BaseException:
+            self._prepare(run)
+            raise
+        return self._prepare(run) and room > 0
+
+    async def _room_for_more(self) -> int:
+        """Wait while the window is full; then how many items may be read (0 once reading
+        has stopped)."""
         while True:
             with self._lock:
                 if not self._must_wait():
-                    return self._reading
+                    return self._room_left()
             self._room_waiter = _new_future()
             await self._room_waiter
 
