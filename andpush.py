@@ -2291,9 +2291,13 @@ class _Engine:
     def _link_for(self, route: _Route, now: float) -> Optional[_Link]:
         """A connection with room for another request, replacing those idle too long."""
         for h2 in list(route.h2):
-            if not h2.conn.streams and now - h2.idle_since > self._keep_alive_timeout:
+            conn = h2.conn
+            if conn.streams:
+                if len(conn.streams) < conn.max_streams and conn.free_streams:
+                    return h2  # (a full one, the usual case, costs no more than a compare)
+            elif now - h2.idle_since > self._keep_alive_timeout:
                 self._drop(h2)  # idle too long: replaced rather than reused
-            elif h2.conn.free_streams:
+            elif conn.free_streams:
                 return h2
         while route.idle:
             link = route.idle[-1]
@@ -4625,6 +4629,7 @@ class _V1API:
         self._project_path = ""
         self.refreshable = credentials.refreshable
         self.signer: Optional[_Signer] = self
+        self._last_signed = self._signed("")  # what headers_now gave last, for its token
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
         checked = _check_message(message)
@@ -4638,9 +4643,15 @@ class _V1API:
         return self._signed(self._tokens.get())
 
     def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]:
-        """The headers of a send, or None while the access token must be fetched first."""
+        """The headers of a send, or None while the access token must be fetched first.
+        The same token gives the same headers (read only), made once."""
         token = self._tokens.current()
-        return None if token is None else self._signed(token)
+        if token is None:
+            return None
+        signed = self._last_signed
+        if signed[1] != token:
+            signed = self._last_signed = self._signed(token)
+        return signed
 
     def token_request(self) -> _Exchange:
         request = self._tokens.credentials.token_request()
