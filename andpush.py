@@ -2271,11 +2271,10 @@ class _Engine:
             return
         now = self.policy.clock.now()
         while waiting:
-            link = self._link_for(route, now)
+            link, room = self._link_for(route, now)
             if link is None:
                 self._open_more(route)
                 return
-            room = link.conn.free_streams if isinstance(link, _H2Link) else 1
             started = False
             while room and waiting:
                 exchange = waiting.popleft()
@@ -2288,23 +2287,28 @@ class _Engine:
             if started:
                 self._wants_write(link)
 
-    def _link_for(self, route: _Route, now: float) -> Optional[_Link]:
-        """A connection with room for another request, replacing those idle too long."""
+    def _link_for(self, route: _Route, now: float) -> Tuple[Optional[_Link], int]:
+        """A connection with room for more requests, and how many it takes now (None and
+        0 if there is none); those idle too long are replaced rather than reused."""
         for h2 in list(route.h2):
             conn = h2.conn
             if conn.streams:
-                if len(conn.streams) < conn.max_streams and conn.free_streams:
-                    return h2  # (a full one, the usual case, costs no more than a compare)
+                if len(conn.streams) < conn.max_streams:  # a full one costs just this compare
+                    room = conn.free_streams
+                    if room:
+                        return h2, room
             elif now - h2.idle_since > self._keep_alive_timeout:
-                self._drop(h2)  # idle too long: replaced rather than reused
-            elif conn.free_streams:
-                return h2
+                self._drop(h2)
+            else:
+                room = conn.free_streams
+                if room:
+                    return h2, room
         while route.idle:
             link = route.idle[-1]
             if not link.reused or now - link.idle_since < self._keep_alive_timeout:
-                return link
-            self._drop(link)  # idle too long: replaced rather than reused
-        return None
+                return link, 1
+            self._drop(link)
+        return None, 0
 
     def _open_more(self, route: _Route) -> None:
         """Open as many connections as the waiting exchanges need, within the limit."""
