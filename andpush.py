@@ -2025,6 +2025,11 @@ class _Route:
         return repr(self.origin)
 
 
+# Bytes of requests waiting on a connection that are written at once, not at the end of the
+# turn: the first requests of a burst go out while the rest are being made and placed.
+_EARLY_WRITE = 16 * 1024
+
+
 class _Engine:
     """Every request of one client, through the connections that carry them: when each
     attempt starts (the _Policy says), on which connection, and what its result means.
@@ -2216,7 +2221,7 @@ class _Engine:
         """Start what the push_many batches have prepared, each within its concurrency."""
         for batch in list(self._batches):
             ready = batch.ready()
-            while ready:  # again: an exchange may end at once (a token error) and make room
+            while ready:  # a run at a time, until none is left or there is no more room
                 self._begin_all(ready)
                 ready = batch.ready()
             if batch.ended():
@@ -2285,7 +2290,10 @@ class _Engine:
                 room -= 1
                 started = True
             if started:
-                self._wants_write(link)
+                if len(link.pending()) >= _EARLY_WRITE:
+                    self._send(link)  # (if the connection breaks, _link_for skips it)
+                else:
+                    self._wants_write(link)
 
     def _link_for(self, route: _Route, now: float) -> Tuple[Optional[_Link], int]:
         """A connection with room for more requests, and how many it takes now (None and
@@ -3188,6 +3196,9 @@ class _Carrier:
 # Outcomes push_many may hold per message in flight, sent or waiting to be consumed: room
 # for the rest to go on while one waits out a retry's backoff, yet bounded.
 _WINDOW_PER_WORKER = 64
+# Exchanges push_many makes and starts at a time: those of a burst's first run go out (see
+# _EARLY_WRITE) while the rest are being made.
+_RUN = 64
 
 
 class _Batch:
@@ -3298,9 +3309,10 @@ class _Batch:
     # The engine -----------------------------------------------------------------------
 
     def ready(self) -> List[_Exchange]:
-        """The exchanges of the items that may start now, within ``concurrency``: a bad
-        message (TypeError, ValueError) gets its outcome instead. The outcomes of the
-        exchanges that ended since the last call are stored first, making room."""
+        """The exchanges of the items that may start now, within ``concurrency`` and at
+        most _RUN of them: a bad message (TypeError, ValueError) gets its outcome instead.
+        The outcomes of the exchanges that ended since the last call are stored first,
+        making room."""
         with self._lock:
             self._store_ended()
             if self._discarded:  # taken from the input, never to be sent
@@ -3310,7 +3322,7 @@ class _Batch:
                                              may_have_been_delivered=False))
                 self._prepared.clear()
                 return []
-            room = self.concurrency - self._in_flight
+            room = min(self.concurrency - self._in_flight, _RUN)
             taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
             self._in_flight += len(taken)
             if taken:
