@@ -2027,7 +2027,7 @@ class _Route:
 
 # Bytes of requests waiting on a connection that are written at once, not at the end of the
 # turn: the first requests of a burst go out while the rest are being made and placed.
-_EARLY_WRITE = 16 * 1024
+_EARLY_WRITE = 8 * 1024
 
 
 class _Engine:
@@ -3198,7 +3198,7 @@ class _Carrier:
 _WINDOW_PER_WORKER = 64
 # Exchanges push_many makes and starts at a time: those of a burst's first run go out (see
 # _EARLY_WRITE) while the rest are being made.
-_RUN = 64
+_RUN = 32
 
 
 class _Batch:
