@@ -3310,9 +3310,19 @@ class _Batch:
 
     def ready(self) -> List[_Exchange]:
         """The exchanges of the items that may start now, within ``concurrency`` and at
-        most _RUN of them: a bad message (TypeError, ValueError) gets its outcome instead.
-        The outcomes of the exchanges that ended since the last call are stored first,
-        making room."""
+        most _RUN of them: a bad message (TypeError, ValueError) gets its outcome instead,
+        and the next run is taken while a whole run was bad. The outcomes of the exchanges
+        that ended since the last call are stored first, making room."""
+        exchanges: List[_Exchange] = []
+        while not exchanges:
+            run = self._take_run()
+            if not run:
+                break
+            exchanges = self._make_all(run)
+        return exchanges
+
+    def _take_run(self) -> List[Tuple[int, Any]]:
+        """The (index, item) of the next run that may start, counted in flight."""
         with self._lock:
             self._store_ended()
             if self._discarded:  # taken from the input, never to be sent
@@ -3328,9 +3338,13 @@ class _Batch:
             if taken:
                 self._half_free()
             self._note_room()
-            items = [(index, self._items_out[index]) for index in taken]
+            return [(index, self._items_out[index]) for index in taken]
+
+    def _make_all(self, run: List[Tuple[int, Any]]) -> List[_Exchange]:
+        """The exchanges of a run's items; a bad message gets its outcome instead."""
         exchanges = []
-        for index, item in items:
+        finished = self._finished
+        for index, item in run:
             try:
                 exchange = self._make(item)
             except Exception as exc:  # a bad message, or worse: its outcome
@@ -3340,7 +3354,7 @@ class _Batch:
                     self._note_room()
                 continue
             exchange.index = index
-            exchange.on_done = self._finished
+            exchange.on_done = finished
             exchanges.append(exchange)
         return exchanges
 
