@@ -2906,12 +2906,13 @@ class _Loop(_Engine):
         """Read all the socket has, and hand it over: an HTTP/1.1 answer as it comes, an
         HTTP/2 connection's bytes at once (each recv gives one TLS record, and an answer
         often spans two)."""
-        sock = link.carrier
+        recv = link.carrier.recv
+        h2 = isinstance(link, _H2Link)
         chunks: List[bytes] = []
         ended = ""
         while not link.closed:
             try:
-                data = sock.recv(_RECV_SIZE)
+                data = recv(_RECV_SIZE)
             except _WOULD_BLOCK:
                 break
             except OSError as exc:
@@ -2920,7 +2921,7 @@ class _Loop(_Engine):
             if not data:
                 ended = "the server closed the connection"
                 break
-            if isinstance(link, _H2Link):
+            if h2:
                 chunks.append(data)
             elif not self._received(link, data):
                 return
