@@ -3243,7 +3243,8 @@ class _Batch:
         self._engine_waits = False  # the engine found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None  # raised after the last pair
         # Exchanges the engine ended and has not stored yet: its thread alone touches this
-        # list, and stores a burst of them with one lock round trip (in ``ready``).
+        # list, and stores a burst of them with one lock round trip (in ``ready``, or at
+        # the end of its turn: ``store_ended``).
         self._ended: List[_Exchange] = []
         self._fed = True  # the engine still calls ``ready``; after ``abandon`` it does not
 
