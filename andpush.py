@@ -2025,6 +2025,11 @@ class _Route:
         return repr(self.origin)
 
 
+# Bytes of requests waiting on a connection that are written at once, not at the end of the
+# turn: the first requests of a burst go out while the rest are being made and placed.
+_EARLY_WRITE = 8 * 1024
+
+
 class _Engine:
     """Every request of one client, through the connections that carry them: when each
     attempt starts (the _Policy says), on which connection, and what its result means.
@@ -2089,7 +2094,8 @@ class _Engine:
     # What the driver calls -----------------------------------------------------------
 
     def _turn(self, now: float) -> Optional[float]:
-        """Do what is due: timers, prepared batches, deadlines, then write what waits.
+        """Do what is due: timers, prepared batches (the outcomes of those that ended stored,
+        and more started), deadlines, then write what waits.
 
         Returns the seconds the driver may wait before the next turn (None: until a
         connection or a caller has something)."""
@@ -2101,6 +2107,8 @@ class _Engine:
         for link in dirty:
             if not link.closed:
                 self._send(link)
+        for batch in self._batches:  # what ended after they were fed, in this turn
+            batch.store_ended()
         return self._timeout(now)
 
     def _is_idle(self) -> bool:
@@ -2213,29 +2221,37 @@ class _Engine:
         """Start what the push_many batches have prepared, each within its concurrency."""
         for batch in list(self._batches):
             ready = batch.ready()
-            while ready:  # again: an exchange may end at once (a token error) and make room
-                for exchange in ready:
-                    self._begin(exchange)
+            while ready:  # a run at a time, until none is left or there is no more room
+                self._begin_all(ready)
                 ready = batch.ready()
             if batch.ended():
                 self._batches.remove(batch)
                 batch.route.limit -= batch.concurrency
 
-    def _begin_all(self, exchanges: List[_Exchange]) -> None:
-        for exchange in exchanges:
-            self._begin(exchange)
-
     def _begin(self, exchange: _Exchange) -> None:
         """Start ``exchange`` at the moment the policy gives it (now, or a timer)."""
+        self._begin_all([exchange])
+
+    def _begin_all(self, exchanges: List[_Exchange]) -> None:
+        """Start each exchange at the moment the policy gives it (now, or a timer). Those
+        that may start now are placed together: one clock reading, one placing per route."""
         clock = self.policy.clock
         now = clock.now()
-        start = self.policy.start_at(exchange, now)
-        if start is None:
-            exchange.on_done(exchange)
-        elif start > now:
-            self._after(clock.delay(start - now), self._enqueue, exchange)
-        else:
-            self._enqueue(exchange)
+        start_at = self.policy.start_at
+        routes: List[_Route] = []
+        for exchange in exchanges:
+            start = start_at(exchange, now)
+            if start is None:
+                exchange.on_done(exchange)
+            elif start > now:
+                self._after(clock.delay(start - now), self._enqueue, exchange)
+            else:
+                route = exchange.route
+                route.waiting.append(exchange)
+                if route not in routes:
+                    routes.append(route)
+        for route in routes:
+            self._place(route)
 
     def _after(self, seconds: float, then: Callable[[_Exchange], None],
                exchange: _Exchange) -> None:
@@ -2253,30 +2269,54 @@ class _Engine:
         self._place(exchange.route)
 
     def _place(self, route: _Route) -> None:
-        """Start waiting exchanges on connections with room; open more when needed."""
-        while route.waiting:
-            link = self._link_for(route)
+        """Start waiting exchanges on connections with room, as many on each as it takes
+        at once; open more when needed."""
+        waiting = route.waiting
+        if not waiting:
+            return
+        now = self.policy.clock.now()
+        while waiting:
+            link, room = self._link_for(route, now)
             if link is None:
                 self._open_more(route)
                 return
-            exchange = route.waiting.popleft()
-            headers = self._sign(exchange)
-            if headers is not None:
-                self._start(link, exchange, headers)
+            started = False
+            while room and waiting:
+                exchange = waiting.popleft()
+                headers = self._sign(exchange)
+                if headers is None:
+                    break  # it waits for a token, or ended: the link may have changed
+                self._start(link, exchange, headers, now)
+                room -= 1
+                started = True
+            if started:
+                if len(link.pending()) >= _EARLY_WRITE:
+                    self._send(link)  # (if the connection breaks, _link_for skips it)
+                else:
+                    self._wants_write(link)
 
-    def _link_for(self, route: _Route) -> Optional[_Link]:
-        now = self.policy.clock.now()
+    def _link_for(self, route: _Route, now: float) -> Tuple[Optional[_Link], int]:
+        """A connection with room for more requests, and how many it takes now (None and
+        0 if there is none); those idle too long are replaced rather than reused."""
         for h2 in list(route.h2):
-            if not h2.conn.streams and now - h2.idle_since > self._keep_alive_timeout:
-                self._drop(h2)  # idle too long: replaced rather than reused
-            elif h2.conn.free_streams:
-                return h2
+            conn = h2.conn
+            if conn.streams:
+                if len(conn.streams) < conn.max_streams:  # a full one costs just this compare
+                    room = conn.free_streams
+                    if room:
+                        return h2, room
+            elif now - h2.idle_since > self._keep_alive_timeout:
+                self._drop(h2)
+            else:
+                room = conn.free_streams
+                if room:
+                    return h2, room
         while route.idle:
             link = route.idle[-1]
             if not link.reused or now - link.idle_since < self._keep_alive_timeout:
-                return link
-            self._drop(link)  # idle too long: replaced rather than reused
-        return None
+                return link, 1
+            self._drop(link)
+        return None, 0
 
     def _open_more(self, route: _Route) -> None:
         """Open as many connections as the waiting exchanges need, within the limit."""
@@ -2342,8 +2382,10 @@ class _Engine:
                 exchange.signed = result
                 self._enqueue(exchange)
 
-    def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str]) -> None:
-        exchange.deadline = self.policy.clock.now() + (exchange.timeout or self._read_timeout)
+    def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str],
+               now: float) -> None:
+        """Queue the request on ``link`` (the caller has it written)."""
+        exchange.deadline = now + (exchange.timeout or self._read_timeout)
         if isinstance(link, _H2Link):
             link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
                             exchange.deadline)
@@ -2355,7 +2397,6 @@ class _Engine:
             link.reader = _H1Reader()
             link.out += _encode_request(link.route.host, exchange.method, exchange.path,
                                         headers, exchange.body)
-        self._wants_write(link)
 
     def _wants_write(self, link: _Link) -> None:
         if link not in self._dirty:
@@ -2865,12 +2906,13 @@ class _Loop(_Engine):
         """Read all the socket has, and hand it over: an HTTP/1.1 answer as it comes, an
         HTTP/2 connection's bytes at once (each recv gives one TLS record, and an answer
         often spans two)."""
-        sock = link.carrier
+        recv = link.carrier.recv
+        h2 = isinstance(link, _H2Link)
         chunks: List[bytes] = []
         ended = ""
         while not link.closed:
             try:
-                data = sock.recv(_RECV_SIZE)
+                data = recv(_RECV_SIZE)
             except _WOULD_BLOCK:
                 break
             except OSError as exc:
@@ -2879,7 +2921,7 @@ class _Loop(_Engine):
             if not data:
                 ended = "the server closed the connection"
                 break
-            if isinstance(link, _H2Link):
+            if h2:
                 chunks.append(data)
             elif not self._received(link, data):
                 return
@@ -3152,6 +3194,9 @@ class _Carrier:
 # Outcomes push_many may hold per message in flight, sent or waiting to be consumed: room
 # for the rest to go on while one waits out a retry's backoff, yet bounded.
 _WINDOW_PER_WORKER = 64
+# Exchanges push_many makes and starts at a time: those of a burst's first run go out (see
+# _EARLY_WRITE) while the rest are being made.
+_RUN = 32
 
 
 class _Batch:
@@ -3194,6 +3239,11 @@ class _Batch:
         self._discarded = False
         self._engine_waits = False  # the engine found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None  # raised after the last pair
+        # Exchanges the engine ended and has not stored yet: its thread alone touches this
+        # list, and stores a burst of them with one lock round trip (in ``ready``, or at
+        # the end of its turn: ``store_ended``).
+        self._ended: List[_Exchange] = []
+        self._fed = True  # the engine still calls ``ready``; after ``abandon`` it does not
 
     # What the subclass provides (each called with the lock held) -----------------------
 
@@ -3223,19 +3273,29 @@ class _Batch:
         """Items read whose pair the consumer has not been given yet."""
         return self._read - self._yielded + len(self._handed)
 
-    def _prepare(self, item: Any) -> None:
-        """Keep an item just read for the engine, which makes its exchange when it can
-        start it (one thread doing all the work is cheaper than two sharing it)."""
+    def _room_left(self) -> int:
+        """How many items the feeder may read before it must wait for room (the lock is
+        held); 0 once reading has stopped."""
+        if not self._reading:
+            return 0
+        return max(0, min(self.concurrency - len(self._prepared), self._window - self._ahead()))
+
+    def _prepare(self, items: Iterable[Any]) -> bool:
+        """Keep items just read for the engine, which makes their exchanges when it can
+        start them (one thread doing all the work is cheaper than two sharing it).
+        False when reading stopped while they were read: they are not sent."""
         with self._lock:
-            if not self._reading:  # stopped while the input was being read: not sent
-                return
-            index = self._read
-            self._read += 1
-            self._items_out[index] = item
-            self._prepared.append(index)
+            if not self._reading:
+                return False
+            for item in items:
+                index = self._read
+                self._read += 1
+                self._items_out[index] = item
+                self._prepared.append(index)
             wake, self._engine_waits = self._engine_waits, False
         if wake:
             self.route.loop.wake()
+        return True
 
     def _end_of_input(self, error: Optional[BaseException]) -> None:
         with self._lock:
@@ -3248,9 +3308,22 @@ class _Batch:
     # The engine -----------------------------------------------------------------------
 
     def ready(self) -> List[_Exchange]:
-        """The exchanges of the items that may start now, within ``concurrency``: a bad
-        message (TypeError, ValueError) gets its outcome instead."""
+        """The exchanges of the items that may start now, within ``concurrency`` and at
+        most _RUN of them: a bad message (TypeError, ValueError) gets its outcome instead,
+        and the next run is taken while a whole run was bad. The outcomes of the exchanges
+        that ended since the last call are stored first, making room."""
+        exchanges: List[_Exchange] = []
+        while not exchanges:
+            run = self._take_run()
+            if not run:
+                break
+            exchanges = self._make_all(run)
+        return exchanges
+
+    def _take_run(self) -> List[Tuple[int, Any]]:
+        """The (index, item) of the next run that may start, counted in flight."""
         with self._lock:
+            self._store_ended()
             if self._discarded:  # taken from the input, never to be sent
                 for index in self._prepared:
                     self._store(index, self._items_out.pop(index),
@@ -3258,15 +3331,19 @@ class _Batch:
                                              may_have_been_delivered=False))
                 self._prepared.clear()
                 return []
-            room = self.concurrency - self._in_flight
+            room = min(self.concurrency - self._in_flight, _RUN)
             taken = [self._prepared.popleft() for _ in range(min(room, len(self._prepared)))]
             self._in_flight += len(taken)
             if taken:
                 self._half_free()
             self._note_room()
-            items = [(index, self._items_out[index]) for index in taken]
+            return [(index, self._items_out[index]) for index in taken]
+
+    def _make_all(self, run: List[Tuple[int, Any]]) -> List[_Exchange]:
+        """The exchanges of a run's items; a bad message gets its outcome instead."""
         exchanges = []
-        for index, item in items:
+        finished = self._finished
+        for index, item in run:
             try:
                 exchange = self._make(item)
             except Exception as exc:  # a bad message, or worse: its outcome
@@ -3276,7 +3353,7 @@ class _Batch:
                     self._note_room()
                 continue
             exchange.index = index
-            exchange.on_done = self._finished
+            exchange.on_done = finished
             exchanges.append(exchange)
         return exchanges
 
@@ -3286,12 +3363,32 @@ class _Batch:
             return not self._reading and not self._prepared and not self._in_flight
 
     def _finished(self, exchange: _Exchange) -> None:
+        """An exchange ended (on the engine's thread): its outcome is stored with the rest of
+        its burst, at the engine's next ``ready`` or at the end of its turn."""
         assert exchange.outcome is not None
+        if self._fed:
+            self._ended.append(exchange)
+            return
         with self._lock:
-            self._in_flight -= 1
+            self._ended.append(exchange)
+            self._store_ended()
+            self._note_room()
+
+    def store_ended(self) -> None:
+        """Store the outcomes of the exchanges that ended, if any (the engine's thread)."""
+        if self._ended:
+            with self._lock:
+                self._store_ended()
+                self._note_room()
+
+    def _store_ended(self) -> None:
+        """Store the outcomes of the exchanges that ended (the lock is held)."""
+        ended, self._ended = self._ended, []
+        self._in_flight -= len(ended)
+        for exchange in ended:
+            assert exchange.outcome is not None
             self._store(exchange.index, self._items_out.pop(exchange.index, None),
                         exchange.outcome)
-            self._note_room()
 
     def _note_room(self) -> None:
         """Whether the engine, with room and nothing prepared, waits for the feeder's wake
@@ -3303,6 +3400,8 @@ class _Batch:
         """The engine is gone: the items waiting to start end unsent, and so does the reading
         (the exchanges in flight get their outcomes from the engine)."""
         with self._lock:
+            self._fed = False
+            self._store_ended()
             for index in self._prepared:
                 self._store(index, self._items_out.pop(index),
                             NetworkError(reason, may_have_been_delivered=False))
@@ -3406,22 +3505,27 @@ class _ThreadBatch(_Batch):
         self._room.notify()
 
     def feed(self) -> None:
-        """On the feeder thread: read and prepare until the input ends or reading stops."""
+        """On the feeder thread: read and prepare until the input ends or reading stops.
+        Each item is prepared as soon as it is read (the input may be slow to give the
+        next); the room is looked at once per run of items that fit."""
         while True:
             with self._lock:
                 while self._must_wait():
                     self._room.wait()
-                if not self._reading:
+                room = self._room_left()
+            if not room:
+                return
+            for _ in range(room):
+                try:
+                    item = next(self._items)
+                except StopIteration:
+                    self._end_of_input(None)
                     return
-            try:
-                item = next(self._items)
-            except StopIteration:
-                self._end_of_input(None)
-                return
-            except BaseException as exc:  # the caller's generator failed: hand it over
-                self._end_of_input(exc)
-                return
-            self._prepare(item)
+                except BaseException as exc:  # the caller's generator failed: hand it over
+                    self._end_of_input(exc)
+                    return
+                if not self._prepare((item,)):
+                    return
 
     def next_pair(self) -> Tuple[Any, Outcome]:
         """The next (item, outcome) in input order, once it has ended; StopIteration
@@ -3472,36 +3576,57 @@ class _AsyncBatch(_Batch):
 
     async def _feed(self) -> None:
         """Read and prepare until the input ends or reading stops; room is awaited before
-        each item is taken, so no item waits outside the window."""
+        items are taken, so no item waits outside the window. An async iterable's items
+        are prepared one by one, as they come; a plain iterable's (read without awaiting)
+        a run at a time."""
         try:
             await self._before()
             if isinstance(self._items, AsyncIterable):
                 items = self._items.__aiter__()
-                while await self._room_for_more():
-                    try:
-                        item = await items.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    self._prepare(item)
+                while await self._async_run(items, await self._room_for_more()):
+                    pass
             else:
                 iterator = iter(self._items)
-                while await self._room_for_more():
-                    try:
-                        item = next(iterator)
-                    except StopIteration:
-                        break
-                    self._prepare(item)
+                while self._run(iterator, await self._room_for_more()):
+                    pass
         except Exception as exc:  # the caller's iterable failed: hand it over
             self._end_of_input(exc)
         else:
             self._end_of_input(None)
 
-    async def _room_for_more(self) -> bool:
-        """Wait while the window is full; False once reading has stopped."""
+    async def _async_run(self, items: AsyncIterator[Any], room: int) -> bool:
+        """Read and prepare up to ``room`` items; False when no more are to be read."""
+        for _ in range(room):
+            try:
+                item = await items.__anext__()
+            except StopAsyncIteration:
+                return False
+            if not self._prepare((item,)):
+                return False
+        return room > 0
+
+    def _run(self, iterator: Iterator[Any], room: int) -> bool:
+        """Read up to ``room`` items and prepare them together (those read before the input
+        failed too); False when no more are to be read."""
+        run: List[Any] = []
+        try:
+            for _ in range(room):
+                run.append(next(iterator))
+        except StopIteration:
+            self._prepare(run)
+            return False
+        except BaseException:
+            self._prepare(run)
+            raise
+        return self._prepare(run) and room > 0
+
+    async def _room_for_more(self) -> int:
+        """Wait while the window is full; then how many items may be read (0 once reading
+        has stopped)."""
         while True:
             with self._lock:
                 if not self._must_wait():
-                    return self._reading
+                    return self._room_left()
             self._room_waiter = _new_future()
             await self._room_waiter
 
@@ -4533,6 +4658,7 @@ class _V1API:
         self._project_path = ""
         self.refreshable = credentials.refreshable
         self.signer: Optional[_Signer] = self
+        self._last_signed = self._signed("")  # what headers_now gave last, for its token
 
     def prepare(self, message: object, validate_only: bool) -> Tuple[str, bytes, Tuple[str, ...]]:
         checked = _check_message(message)
@@ -4546,9 +4672,15 @@ class _V1API:
         return self._signed(self._tokens.get())
 
     def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]:
-        """The headers of a send, or None while the access token must be fetched first."""
+        """The headers of a send, or None while the access token must be fetched first.
+        The same token gives the same headers (read only), made once."""
         token = self._tokens.current()
-        return None if token is None else self._signed(token)
+        if token is None:
+            return None
+        signed = self._last_signed
+        if signed[1] != token:
+            signed = self._last_signed = self._signed(token)
+        return signed
 
     def token_request(self) -> _Exchange:
         request = self._tokens.credentials.token_request()
