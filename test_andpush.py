@@ -4603,6 +4603,16 @@ class PushManySpec:
         self.assertEqual(sorted(tokens_sent(self.server)),
                          sorted(["warm-up"] + ["t%d" % i for i in range(5)]))
 
+    def test_a_long_run_of_bad_messages_holds_up_none_of_the_good_ones_after_it(
+            self: Any) -> None:
+        messages: List[Any] = [{"token": "bad-%d" % i, "data": {"n": i}} for i in range(200)]
+        messages += [{"token": "t%d" % i} for i in range(50)]
+        client = self.fixed_token_client()
+        outcomes = outcomes_of(client.push_many(messages, concurrency=100), messages)
+        self.assertEqual([type(o) for o in outcomes[:200]], [TypeError] * 200)
+        self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes[200:]))
+        self.assertEqual(sorted(tokens_sent(self.server)), sorted("t%d" % i for i in range(50)))
+
     def test_works_on_the_legacy_api_too(self: Any) -> None:
         client = self.client()
         messages = [{"to": "t%d" % i} for i in range(30)]
