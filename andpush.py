@@ -2931,6 +2931,19 @@ class _Loop(_Engine):
             self._lost(link, ended)
 
 
+def _new_future() -> "asyncio.Future[None]":
+    """A future of the running event loop, for one waiter of the asyncio driver."""
+    import asyncio
+
+    return asyncio.get_running_loop().create_future()
+
+
+def _resolve(waiter: Optional["asyncio.Future[None]"]) -> None:
+    """Wake whoever awaits ``waiter``, if anyone still does."""
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
 _CLOSE_GRACE = 0.25  # seconds aclose() waits for the connections it cut to be gone
 
 
@@ -3665,16 +3678,6 @@ class _AsyncBatch(_Batch):
         if self._feeder is not None and not self._feeder.get_loop().is_closed():
             self._feeder.cancel()  # it may wait on the caller's async iterable
 
-
-def _new_future() -> "asyncio.Future[None]":
-    import asyncio
-
-    return asyncio.get_running_loop().create_future()
-
-
-def _resolve(waiter: Optional["asyncio.Future[None]"]) -> None:
-    if waiter is not None and not waiter.done():
-        waiter.set_result(None)
 
 
 # Credentials #################################################################
