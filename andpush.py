@@ -3213,17 +3213,17 @@ _RUN = 32
 
 
 class _Batch:
-    """One push_many: the exchanges made of its input, and their outcomes in order.
+    """One push_many: the items of its input, their exchanges, and their outcomes in order.
 
-    A feeder reads the input and prepares exchanges, at most ``window`` ahead of the
-    consumer, so memory stays bounded however many items there are. The engine takes
-    them, ``concurrency`` in flight at most, and hands back their outcomes; each is kept
-    with its item until the consumer takes the pair. The waiting (for room, for the next
-    pair) is the subclass's: threads (_ThreadBatch) or asyncio (_AsyncBatch).
+    A feeder reads the input, at most ``window`` items ahead of the consumer, so memory
+    stays bounded however many there are. The engine makes each item's exchange when it
+    can start it, ``concurrency`` in flight at most, and hands back their outcomes; each
+    is kept with its item until the consumer takes the pair. The waiting (for room, for
+    the next pair) is the subclass's: threads (_ThreadBatch) or asyncio (_AsyncBatch).
 
     Reading ends with the input, or early: ``stop`` ends it and no more (every item
-    already read is still sent, and its pair still comes); ``discard`` also drops the
-    exchanges not yet started and forgets the consumer, who is gone.
+    already read is still sent, and its pair still comes); ``discard`` also starts no
+    item not yet started (each ends "not sent") and forgets the consumer, who is gone.
     """
 
     def __init__(
@@ -3677,7 +3677,6 @@ class _AsyncBatch(_Batch):
         super().discard()
         if self._feeder is not None and not self._feeder.get_loop().is_closed():
             self._feeder.cancel()  # it may wait on the caller's async iterable
-
 
 
 # Credentials #################################################################
