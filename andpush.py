@@ -1898,36 +1898,159 @@ def _proxy_from_environment(host: str) -> Optional[str]:
     return proxy
 
 
-def _connect(origin: _Origin, ssl_context: ssl.SSLContext, timeout: float) -> socket.socket:
-    """A connected socket to ``origin``: TCP, the CONNECT tunnel if any, TLS for https.
+def _connect(origin: _Origin, ssl_context: ssl.SSLContext,
+             timeout: float) -> Union[socket.socket, "_TLSSocket"]:
+    """A connected socket to ``origin``: TCP, the CONNECT tunnel if any, then for https
+    the TLS handshake (certificate and host name checked as ``ssl_context`` says).
 
     It blocks (for at most ``timeout`` per step), so the I/O loop runs it on a thread of
     its own; raises NetworkError when it fails.
     """
-    import http.client  # only for connecting: CONNECT tunnels and TLS set-up
+    import http.client  # only for connecting: TCP and CONNECT tunnels
 
-    conn: http.client.HTTPConnection
     if origin.proxy:
         proxy_host, proxy_port, proxy_headers = origin.proxy
         address = (proxy_host, proxy_port)
     else:
         address = (origin.host, origin.port)
-    if origin.scheme == "https":
-        conn = http.client.HTTPSConnection(*address, timeout=timeout, context=ssl_context)
-    else:
-        conn = http.client.HTTPConnection(*address, timeout=timeout)
+    conn = http.client.HTTPConnection(*address, timeout=timeout)
     if origin.proxy:
         conn.set_tunnel(origin.host, origin.port, headers=proxy_headers)
     try:
         conn.connect()
+        sock = conn.sock
+        conn.sock = None
+        return _TLSSocket(sock, ssl_context, origin.host) if origin.scheme == "https" else sock
     except (OSError, http.client.HTTPException) as exc:
         conn.close()
         where = "the proxy %s:%d for %r" % (address + (origin,)) if origin.proxy else repr(origin)
         raise NetworkError("could not connect to %s: %s" % (where, _reason(exc)),
                            may_have_been_delivered=False) from exc
-    sock = conn.sock
-    conn.sock = None
-    return sock
+
+
+class _TLSSocket:
+    """A socket that speaks TLS through memory BIOs, for the thread driver: one recv takes
+    all the raw bytes the kernel holds and decrypts them in memory, where an ssl.SSLSocket
+    makes a call (and often a system call) per TLS record.
+
+    Made blocking, it does the handshake at once; the driver then makes it non-blocking,
+    and selects on it as on a socket (``fileno``)."""
+
+    __slots__ = ("sock", "tls", "incoming", "outgoing", "unsent", "early", "drained", "ended",
+                 "failure")
+
+    def __init__(self, sock: socket.socket, ssl_context: ssl.SSLContext, host: str) -> None:
+        self.sock = sock
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.tls = ssl_context.wrap_bio(self.incoming, self.outgoing, server_hostname=host)
+        self.unsent = b""      # raw bytes encrypted but not yet taken by the socket
+        self.early = b""       # data that came with the handshake's last bytes
+        self.drained = False   # the last recv emptied the kernel's buffer
+        self.ended = False     # the server's close_notify (or EOF) came
+        self.failure: Optional[ssl.SSLError] = None  # a TLS error found after data
+        try:
+            self._handshake()
+            with contextlib.suppress(ssl.SSLWantReadError):
+                self.early = self._decrypt()
+        except BaseException:
+            sock.close()
+            raise
+
+    def _handshake(self) -> None:
+        """Exchange handshake messages until TLS is up, each socket call within its timeout."""
+        while True:
+            try:
+                self.tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self.sock.sendall(self.outgoing.read())
+                data = self.sock.recv(_RECV_SIZE)
+                if not data:
+                    raise ConnectionResetError("the server closed the connection during "
+                                               "the TLS handshake") from None
+                self.incoming.write(data)
+        self.sock.sendall(self.outgoing.read())
+
+    @property
+    def alpn(self) -> Optional[str]:
+        return self.tls.selected_alpn_protocol()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def setblocking(self, flag: bool) -> None:
+        self.sock.setblocking(flag)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def recv(self, size: int) -> bytes:
+        """The data that one recv of at most ``size`` raw bytes (with what came before)
+        decrypts to; b"" once the server ended the connection (its close_notify, or EOF).
+        SSLWantReadError if the bytes held no data (part of a record, session tickets);
+        another ssl.SSLError if the connection is broken."""
+        if self.early:
+            data, self.early = self.early, b""
+            return data
+        if self.failure is not None:
+            raise self.failure
+        if self.ended:
+            return b""
+        self.drained = True
+        raw = self.sock.recv(size)
+        self.drained = len(raw) < size
+        if not raw:
+            self.ended = True
+            self.incoming.write_eof()  # all before was decrypted: at most part of a record
+            return b""
+        self.incoming.write(raw)
+        return self._decrypt()
+
+    def _decrypt(self) -> bytes:
+        """The data the incoming BIO holds; SSLWantReadError if none. A TLS error after
+        data waits for the next recv, so that the data before it is handed over."""
+        parts = []
+        read = self.tls.read
+        try:
+            while True:
+                part = read(_RECV_SIZE)
+                if not part:  # close_notify
+                    self.ended = True
+                    break
+                parts.append(part)
+        except ssl.SSLZeroReturnError:
+            self.ended = True
+        except ssl.SSLError as exc:
+            if not parts:
+                raise
+            if not isinstance(exc, ssl.SSLWantReadError):
+                self.failure = exc
+        if self.outgoing.pending:  # a TLS 1.3 KeyUpdate answer: it goes out with the next
+            self.unsent += self.outgoing.read()
+        return b"".join(parts)
+
+    def send(self, data: bytes) -> int:
+        """Encrypt ``data`` and send it, once the raw bytes of what came before have all
+        gone (BlockingIOError until then); what the socket does not take waits in
+        ``unsent``. Returns len(data): all of it is taken."""
+        self.flush()
+        self.tls.write(data)
+        raw = self.outgoing.read()
+        try:
+            sent = self.sock.send(raw)
+        except BlockingIOError:
+            sent = 0
+        self.unsent = raw[sent:]
+        return len(data)
+
+    def flush(self) -> None:
+        """Send the raw bytes waiting; BlockingIOError if the socket does not take them all."""
+        if self.unsent:
+            sent = self.sock.send(self.unsent)
+            self.unsent = self.unsent[sent:]
+            if self.unsent:
+                raise BlockingIOError
 
 
 class _Link:
@@ -2854,7 +2977,7 @@ class _Loop(_Engine):
             with contextlib.suppress(ValueError):  # the client was closed meanwhile
                 self._post(lambda: self._connect_failed(route, error, generation))
             return
-        h2 = isinstance(sock, ssl.SSLSocket) and sock.selected_alpn_protocol() == "h2"
+        h2 = isinstance(sock, _TLSSocket) and sock.alpn == "h2"
 
         def take() -> None:
             if not self._connected(route, sock, h2, generation):
@@ -2870,8 +2993,11 @@ class _Loop(_Engine):
         return self._selector
 
     def _watch(self, link: _Link) -> None:
-        link.carrier.setblocking(False)
-        self._sel().register(link.carrier, selectors.EVENT_READ, link)
+        carrier = link.carrier
+        carrier.setblocking(False)
+        self._sel().register(carrier, selectors.EVENT_READ, link)
+        if isinstance(carrier, _TLSSocket) and carrier.early:
+            self._read(link)  # the kernel has none of it: the selector would not say so
 
     def _send(self, link: _Link) -> None:
         self._write(link)
@@ -2879,41 +3005,56 @@ class _Loop(_Engine):
     def _shut(self, link: _Link) -> None:
         sock = link.carrier
         with contextlib.suppress(OSError, *_WOULD_BLOCK):
-            sock.send(link.pending()[:_WRITE_SIZE])
+            out = link.pending()
+            if out:
+                sock.send(out[:_WRITE_SIZE])
+            if isinstance(sock, _TLSSocket):
+                sock.flush()
         with contextlib.suppress(KeyError, ValueError):
             self._sel().unregister(sock)
         sock.close()
 
     def _write(self, link: _Link) -> None:
-        """Write what the socket takes now; watch for writability while bytes remain."""
+        """Write what the socket takes now; watch for writability while bytes remain.
+
+        Over TLS, bytes count as written once encrypted, before the socket took them all:
+        at most one chunk ahead, since none is encrypted before those ahead of it are
+        sent. That errs on the safe side: a request counted as written that the server
+        never saw ends as may_have_been_delivered=True, and none is resent silently."""
         if link.closed:
             return
         out = link.pending()
         sock = link.carrier
+        tls = isinstance(sock, _TLSSocket)
         try:
             while out:
                 link.wrote(sock.send(out[:_WRITE_SIZE]))
+            if tls:
+                sock.flush()
         except _WOULD_BLOCK:
             pass
         except OSError as exc:
             self._lost(link, "the connection broke: %s" % _reason(exc))
             return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if out else 0)
+        left = out or tls and sock.unsent
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if left else 0)
         if events != self._sel().get_key(sock).events:
             self._sel().modify(sock, events, link)
 
     def _read(self, link: _Link) -> None:
         """Read all the socket has, and hand it over: an HTTP/1.1 answer as it comes, an
-        HTTP/2 connection's bytes at once (each recv gives one TLS record, and an answer
-        often spans two)."""
-        recv = link.carrier.recv
+        HTTP/2 connection's bytes at once. Over TLS, one recv that leaves the kernel's
+        buffer empty is enough (the rest of a record waits in the incoming BIO)."""
+        carrier = link.carrier
+        recv = carrier.recv
+        tls = isinstance(carrier, _TLSSocket)
         h2 = isinstance(link, _H2Link)
         chunks: List[bytes] = []
         ended = ""
         while not link.closed:
             try:
                 data = recv(_RECV_SIZE)
-            except _WOULD_BLOCK:
+            except _WOULD_BLOCK:  # over TLS also: only session tickets, or part of a record
                 break
             except OSError as exc:
                 ended = "the connection broke: %s" % _reason(exc)
@@ -2924,9 +3065,16 @@ class _Loop(_Engine):
             if h2:
                 chunks.append(data)
             elif not self._received(link, data):
-                return
+                break
+            if tls and carrier.drained:
+                break
         if chunks and not self._received(link, b"".join(chunks)):
             return
+        if tls and not link.closed:
+            if carrier.ended:
+                ended = "the server closed the connection"
+            elif carrier.unsent:
+                self._write(link)
         if ended:
             self._lost(link, ended)
 
