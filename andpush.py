@@ -1801,6 +1801,7 @@ class _H2Connection:
 
 _RECV_SIZE = 256 * 1024
 _WRITE_SIZE = 64 * 1024
+_TLS_RECORD = 16 * 1024  # the most data a TLS record holds: all one SSLObject.read gives
 _H2_PING_QUIET = 10.0      # seconds without a frame, streams open, before one PING
 _H2_STREAMS_EXPECTED = 100  # streams a new HTTP/2 connection is counted for, before its SETTINGS
 _WOULD_BLOCK = (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError)
@@ -2014,11 +2015,13 @@ class _TLSSocket:
         read = self.tls.read
         try:
             while True:
-                part = read(_RECV_SIZE)
+                part = read(_TLS_RECORD)
                 if not part:  # close_notify
                     self.ended = True
                     break
                 parts.append(part)
+                if not self.incoming.pending:
+                    break  # (a read now would only say it wants more)
         except ssl.SSLZeroReturnError:
             self.ended = True
         except ssl.SSLError as exc:
@@ -2034,7 +2037,8 @@ class _TLSSocket:
         """Encrypt ``data`` and send it, once the raw bytes of what came before have all
         gone (BlockingIOError until then); what the socket does not take waits in
         ``unsent``. Returns len(data): all of it is taken."""
-        self.flush()
+        if self.unsent:
+            self.flush()
         self.tls.write(data)
         raw = self.outgoing.read()
         try:
