@@ -1931,11 +1931,12 @@ def _connect(origin: _Origin, ssl_context: ssl.SSLContext,
 
 class _TLSSocket:
     """A socket that speaks TLS through memory BIOs, for the thread driver: one recv takes
-    all the raw bytes the kernel holds and decrypts them in memory, where an ssl.SSLSocket
-    makes a call (and often a system call) per TLS record.
+    every record the kernel holds (up to _RECV_SIZE raw bytes) and decrypts them in memory,
+    where an ssl.SSLSocket makes a call (and often a system call) per record.
 
-    Made blocking, it does the handshake at once; the driver then makes it non-blocking,
-    and selects on it as on a socket (``fileno``)."""
+    Made over a connected blocking socket, it does the handshake at once, each step within
+    the socket's timeout; the driver then makes it non-blocking and selects on it as on a
+    socket (``fileno``)."""
 
     __slots__ = ("sock", "tls", "incoming", "outgoing", "unsent", "early", "drained", "ended",
                  "failure")

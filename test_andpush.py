@@ -1678,6 +1678,51 @@ class ConnectFailureTest(unittest.TestCase):
                 client.push(LEGACY_MESSAGE)
 
 
+class TLSOverMemoryTest(unittest.TestCase):
+    """The thread driver's TLS socket: raw bytes the kernel does not take at once wait, and
+    go out whole and in order, before anything encrypted after them."""
+
+    SEND_BUFFER = 16 * 1024  # bytes: the client's socket buffer, small enough to fill at once
+    PAYLOAD = bytes(range(256)) * 2048  # 512 KB: more than the server takes before it reads
+
+    def test_raw_bytes_the_socket_does_not_take_go_out_later_in_order(self) -> None:
+        received = bytearray()
+        client_blocked = threading.Event()
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+
+            def serve() -> None:
+                raw, _ = listener.accept()
+                with server_context().wrap_socket(raw, server_side=True) as conn:
+                    client_blocked.wait(_WAIT_LIMIT)
+                    for data in iter(lambda: conn.recv(65536), b""):
+                        received.extend(data)
+            server = threading.Thread(target=serve)
+            server.start()
+            origin = andpush._Origin("https://127.0.0.1:%d" % listener.getsockname()[1], None)
+            sock = andpush._connect(origin, client_context(), _WAIT_LIMIT)
+            assert isinstance(sock, andpush._TLSSocket)
+            sock.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.SEND_BUFFER)
+            sock.setblocking(False)
+            out = bytearray(self.PAYLOAD)
+            with selectors.DefaultSelector() as selector:
+                selector.register(sock, selectors.EVENT_WRITE)
+                while out or sock.unsent:
+                    try:
+                        while out:
+                            del out[:sock.send(out[:andpush._WRITE_SIZE])]
+                        sock.flush()
+                    except BlockingIOError:
+                        self.assertTrue(sock.unsent)  # what was taken waits, encrypted
+                        client_blocked.set()
+                        selector.select(_WAIT_LIMIT)
+            sock.close()
+            server.join(_WAIT_LIMIT)
+        self.assertTrue(client_blocked.is_set())
+        self.assertEqual(bytes(received), self.PAYLOAD)
+
+
 class MalformedAnswerTest(ServerTestCase):
     """Answers that break HTTP raise NetworkError(may_have_been_delivered=True)."""
 
