@@ -1960,7 +1960,8 @@ class _TLSSocket:
             raise
 
     def _handshake(self) -> None:
-        """Exchange handshake messages until TLS is up, each socket call within its timeout."""
+        """Exchange handshake messages until TLS is up, each socket call within its timeout.
+        A failed check's alert goes to the server too, as an ssl.SSLSocket sends it."""
         while True:
             try:
                 self.tls.do_handshake()
@@ -1972,6 +1973,10 @@ class _TLSSocket:
                     raise ConnectionResetError("the server closed the connection during "
                                                "the TLS handshake") from None
                 self.incoming.write(data)
+            except ssl.SSLError:
+                with contextlib.suppress(OSError):
+                    self.sock.sendall(self.outgoing.read())
+                raise
         self.sock.sendall(self.outgoing.read())
 
     @property
