@@ -2865,6 +2865,8 @@ class _Loop(_Engine):
             for key in list(self._selector.get_map().values()):
                 key.fileobj.close()  # type: ignore[union-attr]
             self._selector.close()
+            assert self._wake_w is not None  # (not registered: it only writes)
+            self._wake_w.close()
             self._selector = self._wake_r = self._wake_w = None
         for route in self._routes:
             route.reset()
