@@ -71,7 +71,7 @@ import urllib.parse
 from typing import (
     Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Deque, Dict, Iterable, Iterator,
     List, Mapping, NoReturn, Optional, Set, TYPE_CHECKING, Protocol, TextIO, Tuple, Type,
-    Union, cast,
+    TypeVar, Union, cast,
 )
 
 if TYPE_CHECKING:
@@ -2774,6 +2774,7 @@ class _Loop(_Engine):
         self._post(lambda: self._add_batch(batch))
 
     def wake(self) -> None:
+        """Wake the selector, from any thread (a no-op once it is closed)."""
         wake_w = self._wake_w
         if wake_w is not None:
             with contextlib.suppress(OSError):
@@ -2781,20 +2782,18 @@ class _Loop(_Engine):
 
     def close(self) -> None:
         """End every connection; requests still under way end with a NetworkError."""
-        if self._pid != os.getpid():
-            self._lock = threading.Lock()  # the parent's thread may have held it at the fork
-            self._runner_left = threading.Condition(self._lock)
+        forked = self._in_a_forked_child()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._pid != os.getpid():
+            if forked:
                 self._forked()
             runner = self._thread
             if runner is None:
                 self._thread = threading.current_thread()  # ends it all itself, at once
             elif runner is not threading.current_thread():
-                self._wake()
+                self.wake()
                 deadline = time.monotonic() + self._connect_timeout
                 while self._thread is not None and time.monotonic() < deadline:
                     self._runner_left.wait(deadline - time.monotonic())
@@ -2806,13 +2805,11 @@ class _Loop(_Engine):
     def _post(self, work: Callable[[], None], lead: bool = False) -> bool:
         """Hand ``work`` to the thread running the loop; with none running, the caller
         becomes it if it may ``lead`` (and True is returned), else a new thread does."""
-        if self._pid != os.getpid():
-            self._lock = threading.Lock()  # the parent's thread may have held it at the fork
-            self._runner_left = threading.Condition(self._lock)
+        forked = self._in_a_forked_child()
         with self._lock:
             if self._closed:
                 raise ValueError("the client is closed; create a new one")
-            if self._pid != os.getpid():
+            if forked:
                 self._forked()
             woken = bool(self._inbox)  # the loop was woken for what waits there already
             self._inbox.append(work)
@@ -2820,14 +2817,17 @@ class _Loop(_Engine):
                 self._take_over(lead)
                 return lead
             if not woken:
-                self._wake()
+                self.wake()
         return False
 
-    def _wake(self) -> None:
-        """Wake the selector (the lock is held, so it stays open meanwhile)."""
-        assert self._wake_w is not None
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
+    def _in_a_forked_child(self) -> bool:
+        """Whether this process is a fork of the one the loop ran in; if so, the lock is
+        new (the parent's thread may have held it at the fork), and _forked is due."""
+        if self._pid == os.getpid():
+            return False
+        self._lock = threading.Lock()
+        self._runner_left = threading.Condition(self._lock)
+        return True
 
     def _take_over(self, lead: bool) -> None:
         """Make the caller (``lead``) or a new thread the one running the loop (the lock
@@ -4128,11 +4128,6 @@ class _Credentials:
         request's outcome holds; AuthError if it holds none."""
         raise NotImplementedError
 
-    def fetch(self) -> Tuple[str, Optional[float]]:
-        """A new access token and its lifetime, waiting for the request (threads only)."""
-        request = self.token_request()
-        return self.token_from(None if request is None else _wait_for(request))
-
     def project_request(self) -> Optional[_Exchange]:
         """The request that finds the project id (None: these credentials cannot)."""
         return None
@@ -5318,7 +5313,6 @@ def new(
     over few connections when the server accepts; ``http2=False`` keeps to HTTP/1.1.
     """
     loop, api, route, retry = _setup(_Loop, dict(locals()))
-    assert isinstance(loop, _Loop)
     return Client(api, loop, route, retry)
 
 build = new
@@ -5344,13 +5338,15 @@ def new_async(
     """Create an asyncio client, with exactly the options of ``new``. It may be made
     outside the event loop; it belongs to the loop it is first used on."""
     loop, api, route, retry = _setup(_AsyncLoop, dict(locals()))
-    assert isinstance(loop, _AsyncLoop)
     return AsyncClient(api, loop, route, retry)
 
 
+_Driver = TypeVar("_Driver", _Loop, _AsyncLoop)
+
+
 def _setup(
-    driver: Union[Type[_Loop], Type[_AsyncLoop]], options: Dict[str, Any]
-) -> Tuple[_Engine, Union[_LegacyAPI, _V1API], _Route, _Retry]:
+    driver: Type[_Driver], options: Dict[str, Any]
+) -> Tuple[_Driver, Union[_LegacyAPI, _V1API], _Route, _Retry]:
     """The engine, API, route and retry of a client made with ``new``'s ``options``."""
     ssl_context = options["ssl_context"]
     if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
