@@ -7085,25 +7085,26 @@ class EngineTest(HTTP2TestCase):
         self.server.reply_delay = 0.02
         client = self.h2_client()
         client.push(V1_MESSAGE)
-        fire_timers = andpush._Loop._fire_timers
+        fire_timers = andpush._Engine._fire_timers
         calls = []
 
-        def fails_once(loop: andpush._Loop, now: float) -> None:
+        def fails_once(engine: andpush._Engine, now: float) -> None:
             calls.append(now)
             if len(calls) == 3:
-                raise RuntimeError("a bug in the I/O loop")
-            fire_timers(loop, now)
+                raise RuntimeError("a bug in the engine")
+            fire_timers(engine, now)
 
         messages = CountingMessages(20)
         outcomes: List[Any] = []
-        with unittest.mock.patch.object(andpush._Loop, "_fire_timers", fails_once), \
+        with unittest.mock.patch.object(andpush._Engine, "_fire_timers", fails_once), \
                 self.assertLogs("andpush", "ERROR"):
             try:
                 outcomes.extend(client.push_many(messages))
-            except andpush.NetworkError as exc:  # the input the loop never read
+            except andpush.NetworkError as exc:  # the input the engine never read
                 self.assertFalse(exc.may_have_been_delivered)
-        # A pair for each message read, but the one being read as the loop went away.
+        # A pair for each message read, but the one being read as the engine went away.
         self.assertIn(len(outcomes), (messages.taken, messages.taken - 1))
+        self.assertTrue(any(isinstance(o, andpush.NetworkError) for _, o in outcomes))
         sent = sent_counts(self.server)
         for i, (message, outcome) in enumerate(outcomes):
             self.assertEqual(message, {"token": "t%d" % i})
@@ -8318,41 +8319,11 @@ class AsyncProxyTest(AsyncTestCase):
         self.assertEqual(self.server.connections, 0)
 
 
-class AsyncEngineFailureTest(AsyncTestCase):
-    async def test_a_failure_inside_the_engine_ends_each_held_message_and_the_client_recovers(
-            self) -> None:
-        self.server.reply_delay = 0.02
-        client = self.h2_client()
-        await client.push(V1_MESSAGE)
-        fire_timers = andpush._AsyncLoop._fire_timers
-        calls = []
+class AsyncEngineFailureTest(AsyncClients, HTTP2TestCase):
+    """EngineTest's failure inside the engine, against the asyncio client."""
 
-        def fails_once(loop: andpush._AsyncLoop, now: float) -> None:
-            calls.append(now)
-            if len(calls) == 3:
-                raise RuntimeError("a bug in the engine")
-            fire_timers(loop, now)
-
-        messages = CountingMessages(20)
-        outcomes: List[Any] = []
-        with unittest.mock.patch.object(andpush._AsyncLoop, "_fire_timers", fails_once), \
-                self.assertLogs("andpush", "ERROR"):
-            try:
-                async for pair in client.push_many(messages):
-                    outcomes.append(pair)
-            except andpush.NetworkError as exc:  # the input the engine never read
-                self.assertFalse(exc.may_have_been_delivered)
-        # A pair for each message read, but the one being read as the engine went away.
-        self.assertIn(len(outcomes), (messages.taken, messages.taken - 1))
-        self.assertTrue(any(isinstance(o, andpush.NetworkError) for _, o in outcomes))
-        sent = sent_counts(self.server)
-        for i, (message, outcome) in enumerate(outcomes):
-            self.assertEqual(message, {"token": "t%d" % i})
-            if not isinstance(outcome, andpush.Response):
-                self.assertIsInstance(outcome, andpush.NetworkError)
-                if not outcome.may_have_been_delivered:
-                    self.assertEqual(sent["t%d" % i], 0)
-        self.assertEqual((await client.push(V1_MESSAGE)).status_code, 200)
+    test_a_failure_inside_the_io_loop_ends_each_held_message_and_the_client_recovers = (
+        EngineTest.test_a_failure_inside_the_io_loop_ends_each_held_message_and_the_client_recovers)
 
 
 class AsyncFakeClockTest(AsyncTestCase):
