@@ -428,6 +428,9 @@ class Headers(Mapping[str, str]):
         return Headers, (self._items,)
 
 
+_NO_HEADERS = Headers({})  # of a response before its headers came
+
+
 class Response:
     """A 2xx answer from FCM (error answers raise HTTPError and hang off it).
 
@@ -787,27 +790,36 @@ def _encode_request(host: str, method: str, path: str, headers: Dict[str, str],
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
+# A response head as _H1Reader reads it: status, reason, headers, whether the connection
+# may be kept, the state that follows and the length of the body, if given.
+_H1Head = Tuple[int, str, Headers, bool, str, int]
+_H1_HEAD_CACHE = 64  # response heads a route remembers, parsed (they differ by the Date)
+
+
 class _H1Reader:
     """One HTTP/1.1 response, parsed from the bytes fed to it as they arrive.
 
     ``feed`` returns the Response and whether the connection may carry another request,
     once the response is whole, else None; ``eof`` says the server closed the connection.
-    Both raise _ProtocolError for a malformed or oversized answer. States::
+    Both raise _ProtocolError for a malformed or oversized answer. A server sends the same
+    head again and again (bar its Date, once a second), so ``heads`` keeps the parsed
+    heads of earlier responses, by their bytes. States::
 
         HEAD --> BODY ------------------------------------> DONE
           |  --> CHUNK_SIZE <--> CHUNK_DATA --> TRAILERS --^
           +----> UNTIL_EOF (no length given) --eof()------^
     """
 
-    __slots__ = ("state", "_buffer", "_status", "_reason", "_headers", "_keep", "_body",
-                 "_remaining")
+    __slots__ = ("state", "_heads", "_buffer", "_status", "_reason", "_headers", "_keep",
+                 "_body", "_remaining")
 
-    def __init__(self) -> None:
+    def __init__(self, heads: Optional[Dict[bytes, _H1Head]] = None) -> None:
         self.state = "HEAD"
+        self._heads = {} if heads is None else heads
         self._buffer = bytearray()
         self._status = 0
         self._reason = ""
-        self._headers: Dict[str, str] = {}
+        self._headers = _NO_HEADERS
         self._keep = True
         self._body = bytearray()
         self._remaining = 0
@@ -819,10 +831,10 @@ class _H1Reader:
 
     def feed(self, data: bytes) -> Optional[Tuple[Response, bool]]:
         self._buffer += data
-        while True:
-            step = getattr(self, "_read_" + self.state.lower())
-            if not step():
-                return self._response() if self.state == "DONE" else None
+        steps = _H1_STEPS
+        while steps[self.state](self):
+            pass
+        return self._response() if self.state == "DONE" else None
 
     def eof(self) -> Tuple[Response, bool]:
         """The response the end of the connection completes; _ProtocolError if none."""
@@ -834,7 +846,7 @@ class _H1Reader:
         raise _ProtocolError("the server closed the connection mid-response")
 
     def _response(self) -> Tuple[Response, bool]:
-        response = Response(self._status, self._reason, Headers(self._headers), bytes(self._body))
+        response = Response(self._status, self._reason, self._headers, bytes(self._body))
         return response, self._keep and not self._buffer
 
     def _line(self, what: str) -> Optional[bytes]:
@@ -857,22 +869,15 @@ class _H1Reader:
             if len(self._buffer) >= _MAX_HEAD:
                 raise _ProtocolError("the response head exceeds %d bytes" % _MAX_HEAD)
             return False
-        lines = self._buffer[:end].decode("latin-1").split("\r\n")
+        block = bytes(self._buffer[:end])
         del self._buffer[:end + 4]
-        version, self._status, self._reason = _parse_status_line(lines[0])
-        self._headers = _parse_header_lines(lines[1:])
-        connection = self._headers.get("connection", "").lower()
-        self._keep = "close" not in connection and (
-            version != "HTTP/1.0" or "keep-alive" in connection)
-        if self._headers.get("transfer-encoding", "").lower() == "chunked":
-            self.state = "CHUNK_SIZE"
-        elif "content-length" in self._headers:
-            self._remaining = _content_length(self._headers["content-length"])
-            self.state = "BODY"
-        elif self._status in (204, 304) or 100 <= self._status < 200:
-            self.state = "DONE"
-        else:
-            self.state = "UNTIL_EOF"
+        head = self._heads.get(block)
+        if head is None:
+            head = _parse_head(block)
+            if len(self._heads) >= _H1_HEAD_CACHE:
+                self._heads.clear()
+            self._heads[block] = head
+        self._status, self._reason, self._headers, self._keep, self.state, self._remaining = head
         return True
 
     def _read_body(self) -> bool:
@@ -929,6 +934,32 @@ class _H1Reader:
         del self._buffer[:len(piece)]
         self._body += piece
         self._remaining -= len(piece)
+
+
+# What _H1Reader does in each state: True if it moved on, False if it needs more bytes.
+_H1_STEPS = {
+    "HEAD": _H1Reader._read_head, "BODY": _H1Reader._read_body,
+    "CHUNK_SIZE": _H1Reader._read_chunk_size, "CHUNK_DATA": _H1Reader._read_chunk_data,
+    "TRAILERS": _H1Reader._read_trailers, "UNTIL_EOF": _H1Reader._read_until_eof,
+    "DONE": _H1Reader._read_done,
+}
+
+
+def _parse_head(block: bytes) -> _H1Head:
+    """What a response head (without its blank line) says; _ProtocolError if malformed."""
+    lines = block.decode("latin-1").split("\r\n")
+    version, status, reason = _parse_status_line(lines[0])
+    headers = _parse_header_lines(lines[1:])
+    connection = headers.get("connection", "").lower()
+    keep = "close" not in connection and (version != "HTTP/1.0" or "keep-alive" in connection)
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        return status, reason, Headers(headers), keep, "CHUNK_SIZE", 0
+    if "content-length" in headers:
+        return (status, reason, Headers(headers), keep, "BODY",
+                _content_length(headers["content-length"]))
+    if status in (204, 304) or 100 <= status < 200:
+        return status, reason, Headers(headers), keep, "DONE", 0
+    return status, reason, Headers(headers), keep, "UNTIL_EOF", 0
 
 
 def _parse_status_line(line: str) -> Tuple[str, int, str]:
@@ -1384,7 +1415,6 @@ def _content_length_field(length: int) -> bytes:
 
 # A frame's 9-octet header: length (24 bits) and type in one word, flags, stream id.
 _FRAME_HEAD = struct.Struct(">IBI")
-_NO_HEADERS = Headers({})
 
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -2140,6 +2170,7 @@ class _Route:
         self.connecting = 0
         self.generation = 0                      # counts resets: a connect from before is stale
         self.waiting: Deque[_Exchange] = collections.deque()
+        self.heads: Dict[bytes, _H1Head] = {}  # HTTP/1.1 response heads seen, parsed
 
     def links(self) -> List[_Link]:
         return [*self.h2, *self.idle, *self.busy]
@@ -2188,7 +2219,7 @@ class _Engine:
         self._needs_token: List[_Exchange] = []
         self._refreshing: List[_Signer] = []
         self._dirty: List[_Link] = []
-        self._due = 0.0  # when _expire next has something to do, as _timeout found
+        self._due = 0.0  # no deadline of a connection or exchange is before this
 
     def route(self, url: str, pool_size: int = 1) -> _Route:
         """The route to ``url``'s origin; https goes through the proxy, if one applies."""
@@ -2234,7 +2265,8 @@ class _Engine:
         connection or a caller has something)."""
         self._fire_timers(now)
         self._feed_batches()
-        if now >= self._due:
+        expired = now >= self._due
+        if expired:
             self._expire(now)
         dirty, self._dirty = self._dirty, []
         for link in dirty:
@@ -2242,6 +2274,8 @@ class _Engine:
                 self._send(link)
         for batch in self._batches:  # what ended after they were fed, in this turn
             batch.store_ended()
+        if expired:
+            self._due = self._earliest_deadline()
         return self._timeout(now)
 
     def _is_idle(self) -> bool:
@@ -2261,12 +2295,14 @@ class _Engine:
             route.speaks_h2 = True
             link = _H2Link(carrier, route, now)
             route.h2.append(link)
+            self._soon(now + self._connect_timeout)  # for its SETTINGS
             self._wants_write(link)  # the preface and our SETTINGS
         else:
             log.debug("connected to %r", route)
             route.speaks_h2 = False
             link = _H1Link(carrier, route, now)
             route.idle.append(link)
+            self._soon(now + self._keep_alive_timeout)
         self._watch(link)
         self._place(route)
         return True
@@ -2286,6 +2322,7 @@ class _Engine:
             return self._h1_received(link, data)
         assert isinstance(link, _H2Link)
         link.pinged = False
+        self._soon(link.last_read + _H2_PING_QUIET)
         try:
             link.conn.receive(data)
         except _H2Error as exc:
@@ -2519,7 +2556,10 @@ class _Engine:
                now: float) -> None:
         """Queue the request on ``link`` (the caller has it written)."""
         exchange.deadline = now + (exchange.timeout or self._read_timeout)
+        self._soon(exchange.deadline)
         if isinstance(link, _H2Link):
+            if not link.pinged:
+                self._soon(link.last_read + _H2_PING_QUIET)
             link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
                             exchange.deadline)
         else:
@@ -2527,7 +2567,7 @@ class _Engine:
             link.route.idle.remove(link)
             link.route.busy.append(link)
             link.exchange = exchange
-            link.reader = _H1Reader()
+            link.reader = _H1Reader(link.route.heads)
             link.out += _encode_request(link.route.host, exchange.method, exchange.path,
                                         headers, exchange.body)
 
@@ -2566,6 +2606,7 @@ class _Engine:
             link.route.idle.append(link)
             link.reused = True
             link.idle_since = self.policy.clock.now()
+            self._soon(link.idle_since + self._keep_alive_timeout)
         else:
             self._drop(link)
         self._settle(exchange, result)
@@ -2594,6 +2635,7 @@ class _Engine:
             self._drop(link)
         elif not conn.streams:
             link.idle_since = self.policy.clock.now()
+            self._soon(link.idle_since + self._keep_alive_timeout)
         self._place(link.route)
 
     def _drop(self, link: _Link) -> None:
@@ -2664,9 +2706,21 @@ class _Engine:
             if route.waiting:
                 self._place(route)
 
+    def _soon(self, deadline: float) -> None:
+        """Something new is due at ``deadline``: a request's answer, a connection's
+        SETTINGS, PING or keep-alive (the next ``_turn`` after it calls ``_expire``)."""
+        if deadline < self._due:
+            self._due = deadline
+
     def _timeout(self, now: float) -> Optional[float]:
         """How long the driver may wait: until the next timer or deadline (see _turn)."""
-        due = [self._timers[0][0]] if self._timers else []
+        due = min(self._timers[0][0], self._due) if self._timers else self._due
+        return None if due == math.inf else max(0.0, due - now + 0.001)
+
+    def _earliest_deadline(self) -> float:
+        """The first deadline of any connection or exchange (the timers aside), found
+        after ``_expire``; ``_soon`` lowers it as new ones come."""
+        due = []
         for route in self._routes:
             for h2 in route.h2:
                 if h2.conn.state == "WAITING_FOR_SETTINGS":
@@ -2679,8 +2733,7 @@ class _Engine:
                     due.append(h2.idle_since + self._keep_alive_timeout)
             due.extend(h1.exchange.deadline for h1 in route.busy if h1.exchange)
             due.extend(h1.idle_since + self._keep_alive_timeout for h1 in route.idle)
-        self._due = min(due) if due else math.inf
-        return max(0.0, self._due - now + 0.001) if due else None
+        return min(due) if due else math.inf
 
     # Ending -------------------------------------------------------------------------
 

@@ -2897,12 +2897,12 @@ H1Answer = Tuple[int, str, Dict[str, str], bytes, bool]   # status, reason, head
 class H1ReaderTest(unittest.TestCase):
     """_H1Reader: every way an answer may be framed, however its bytes arrive."""
 
-    def read(self, pieces: List[bytes]) -> H1Answer:
+    def read(self, pieces: List[bytes], heads: Optional[Dict[bytes, Any]] = None) -> H1Answer:
         """The answer an _H1Reader makes of ``pieces`` fed one by one, then eof() if need be.
 
         Fails unless the answer comes with the last piece that holds a byte, not before.
         """
-        reader = andpush._H1Reader()
+        reader = andpush._H1Reader(heads)
         last = max((i for i, piece in enumerate(pieces) if piece), default=-1)
         result = None
         for i, piece in enumerate(pieces):
@@ -2972,6 +2972,23 @@ class H1ReaderTest(unittest.TestCase):
             for cut in range(len(data) + 1):
                 with self.subTest(name, cut=cut):
                     self.assertEqual(self.read([data[:cut], data[cut:]]), expected)
+
+    def test_answers_read_with_the_heads_of_earlier_answers(self) -> None:
+        # A route's readers share the heads they parsed: the same bytes give the same answer.
+        heads: Dict[bytes, Any] = {}
+        for turn in ("parsed", "remembered"):
+            for name, data, expected in self.ANSWERS:
+                with self.subTest(name, turn=turn):
+                    self.assertEqual(self.read([data], heads), expected)
+        self.assertEqual(len(heads), len(self.ANSWERS))
+
+    def test_heads_remembered_are_bounded(self) -> None:
+        heads: Dict[bytes, Any] = {}
+        for i in range(3 * andpush._H1_HEAD_CACHE):
+            date = b"Date: Tue, 01 Dec 2026 15:%02d:%02d GMT" % divmod(i, 60)
+            self.read([b"HTTP/1.1 200 OK\r\n" + date + b"\r\nContent-Length: 2\r\n\r\nok"],
+                      heads)
+            self.assertLessEqual(len(heads), andpush._H1_HEAD_CACHE)
 
     def test_headers_are_looked_up_in_any_case(self) -> None:
         response, _ = andpush._H1Reader().feed(
