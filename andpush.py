@@ -4542,6 +4542,7 @@ def _gcloud_config_dir() -> str:
 # The two FCM APIs: where a message goes, how it is wrapped, and what is wrong with it.
 
 _TARGETS = ("token", "topic", "condition", "fid")
+_TARGET_SET = frozenset(_TARGETS)
 _MULTICAST_FIELDS = ("tokens", "registration_ids")  # other clients' ways to name many targets
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9\-_.~%]{1,900}\Z")
 _RESERVED_DATA_KEYS = ("from", "message_type")
@@ -4573,22 +4574,24 @@ def _check_message(message: object) -> Dict[str, Any]:
     are present, so a typical message costs a few dict lookups more.
     """
     message = _check_dict(message)
-    for field in _MULTICAST_FIELDS:
-        if field in message:
-            raise ValueError(
-                "a v1 message has one target, not %r: to send it to many devices, leave %r "
-                "out and call client.push_multicast(message, tokens)" % (field, field)
-            )
-    targets = [name for name in _TARGETS if name in message]
+    fields = message.keys()
+    if not fields.isdisjoint(_MULTICAST_FIELDS):
+        field = next(name for name in _MULTICAST_FIELDS if name in message)
+        raise ValueError(
+            "a v1 message has one target, not %r: to send it to many devices, leave %r "
+            "out and call client.push_multicast(message, tokens)" % (field, field)
+        )
+    targets = fields & _TARGET_SET
     if len(targets) != 1:
         raise ValueError(
             "message needs exactly one target of token, topic, condition or fid; got %s"
-            % (", ".join(targets) or "none")
+            % (", ".join(name for name in _TARGETS if name in targets) or "none")
         )
-    target = message[targets[0]]
+    (name,) = targets
+    target = message[name]
     if not isinstance(target, str) or not target:
-        raise ValueError("message %r must be a non-empty str" % targets[0])
-    if targets[0] == "topic":
+        raise ValueError("message %r must be a non-empty str" % name)
+    if name == "topic":
         _check_topic(target)
     data = message.get("data")
     if data is not None:
@@ -4800,7 +4803,9 @@ def _check_legacy_message(message: object) -> Dict[str, Any]:
     return message
 
 
-_JSON_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+# No check for circular references: a message that holds itself nests too deeply instead.
+_JSON_ENCODE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False,
+                                check_circular=False).encode
 
 
 def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
@@ -4812,7 +4817,8 @@ def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
     except ValueError as exc:
         raise ValueError("%s is not JSON-serialisable: %s" % (what, exc)) from None
     except RecursionError:
-        raise ValueError("%s is not JSON-serialisable: it nests too deeply" % what) from None
+        raise ValueError("%s is not JSON-serialisable: it nests too deeply, or holds itself"
+                         % what) from None
     return text.encode("utf-8")
 
 

@@ -1443,6 +1443,13 @@ def deeply_nested(depth: int) -> Dict[str, Any]:
     return value
 
 
+def holding_itself() -> Dict[str, Any]:
+    """A dict that is one of its own values."""
+    value: Dict[str, Any] = {}
+    value["x"] = value
+    return value
+
+
 class BadInputTest(ServerTestCase):
     """Bad input raises a TypeError or ValueError that says what to fix, before any I/O."""
 
@@ -1478,6 +1485,7 @@ class BadInputTest(ServerTestCase):
             ({"to": TOKEN, "data": {"when": datetime.datetime.now()}}, TypeError, "serialisable"),
             ({"to": TOKEN, "data": {"x": float("nan")}}, ValueError, "serialisable"),
             ({"to": TOKEN, "notification": deeply_nested(100_000)}, ValueError, "too deeply"),
+            ({"to": TOKEN, "notification": holding_itself()}, ValueError, "holds itself"),
         ]
         for message, error, fragment in table:
             with self.subTest(message=message):
