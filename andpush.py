@@ -2219,6 +2219,7 @@ class _Engine:
         self._needs_token: List[_Exchange] = []
         self._refreshing: List[_Signer] = []
         self._dirty: List[_Link] = []
+        self._arrived: List[_Exchange] = []  # callers' exchanges, begun at the next turn
         self._due = 0.0  # no deadline of a connection or exchange is before this
 
     def route(self, url: str, pool_size: int = 1) -> _Route:
@@ -2257,12 +2258,17 @@ class _Engine:
 
     # What the driver calls -----------------------------------------------------------
 
-    def _turn(self, now: float) -> Optional[float]:
-        """Do what is due: timers, prepared batches (the outcomes of those that ended stored,
-        and more started), deadlines, then write what waits.
+    def _turn(self) -> Optional[float]:
+        """Do what is due: begin what callers sent meanwhile, then timers, prepared
+        batches (the outcomes of those that ended stored, and more started), deadlines;
+        then write what waits.
 
         Returns the seconds the driver may wait before the next turn (None: until a
         connection or a caller has something)."""
+        if self._arrived:
+            arrived, self._arrived = self._arrived, []
+            self._begin_all(arrived)
+        now = self.policy.clock.now()
         self._fire_timers(now)
         self._feed_batches()
         expired = now >= self._due
@@ -2279,7 +2285,7 @@ class _Engine:
         return self._timeout(now)
 
     def _is_idle(self) -> bool:
-        return not (self._timers or self._batches or self._needs_token or any(
+        return not (self._timers or self._batches or self._needs_token or self._arrived or any(
             route.connections() or route.waiting for route in self._routes))
 
     def _connected(self, route: _Route, carrier: Any, h2: bool, generation: int) -> bool:
@@ -2361,7 +2367,9 @@ class _Engine:
         """Give up on an exchange whose caller no longer waits: unsent, it is dropped;
         on a connection, its HTTP/2 stream is reset or its HTTP/1.1 connection closed."""
         route = exchange.route
-        if exchange in route.waiting:
+        if exchange in self._arrived:
+            self._arrived.remove(exchange)
+        elif exchange in route.waiting:
             route.waiting.remove(exchange)
         elif exchange in self._needs_token:
             self._needs_token.remove(exchange)
@@ -2397,6 +2405,11 @@ class _Engine:
             if batch.ended():
                 self._batches.remove(batch)
                 batch.route.limit -= batch.concurrency
+
+    def _arrive(self, exchange: _Exchange) -> None:
+        """A caller's exchange: it begins at the next turn, with all that came meanwhile
+        (placed together, as a burst)."""
+        self._arrived.append(exchange)
 
     def _begin(self, exchange: _Exchange) -> None:
         """Start ``exchange`` at the moment the policy gives it (now, or a timer)."""
@@ -2749,6 +2762,8 @@ class _Engine:
             held.extend((h1.exchange, True) for h1 in route.busy if h1.exchange)
         held.extend((entry[3], False) for entry in self._timers)
         held.extend((e, False) for e in self._needs_token)
+        held.extend((e, False) for e in self._arrived)
+        self._arrived = []
         for batch in self._batches:
             batch.abandon(reason)
         self._close_all()
@@ -2816,7 +2831,7 @@ class _Loop(_Engine):
         done = threading.Lock()
         done.acquire()
         exchange.on_done = lambda _: done.release()  # once, with the outcome
-        if self._post(lambda: self._begin(exchange), lead=True):
+        if self._post(lambda: self._arrive(exchange), lead=True):
             self._lead(exchange)
         done.acquire()
         assert exchange.outcome is not None
@@ -2924,7 +2939,7 @@ class _Loop(_Engine):
         for route in self._routes:
             route.reset()
         self._batches, self._timers, self._needs_token, self._refreshing = [], [], [], []
-        self._dirty, self._inbox = [], []
+        self._dirty, self._inbox, self._arrived = [], [], []
         self._thread = None
         self._pid = os.getpid()
 
@@ -2979,7 +2994,8 @@ class _Loop(_Engine):
 
     def _has_work(self) -> bool:
         """Whether anything but idle connections is left: requests, batches, timers."""
-        return bool(self._timers or self._batches or self._needs_token or self._dirty or any(
+        return bool(self._timers or self._batches or self._needs_token or self._dirty
+                    or self._arrived or any(
             route.waiting or route.connecting or route.busy
             or any(h2.conn.streams for h2 in route.h2) for route in self._routes))
 
@@ -3005,7 +3021,7 @@ class _Loop(_Engine):
             with self._lock:
                 self._park()
             return False
-        timeout = self._turn(self.policy.clock.now())
+        timeout = self._turn()
         if mine is not None and mine.outcome is not None:
             return True
         if not self._has_work():
@@ -3206,7 +3222,7 @@ class _AsyncLoop(_Engine):
             if not done.done():
                 done.set_result(None)
         exchange.on_done = finished
-        self._guarded(self._begin, exchange)
+        self._guarded(self._arrive, exchange)
         try:
             await done
         except BaseException:
@@ -3258,7 +3274,7 @@ class _AsyncLoop(_Engine):
             self._timer.cancel()
             self._timer = None
         try:
-            timeout = self._turn(self.policy.clock.now())
+            timeout = self._turn()
         except Exception as exc:
             log.exception("andpush's I/O loop failed; its requests end with NetworkError")
             self._abandon("andpush's I/O loop failed: %s" % _reason(exc))

@@ -8010,7 +8010,8 @@ class AsyncCancellationTest(AsyncTestCase):
     async def test_cancelled_while_connecting_nothing_is_sent(self) -> None:
         client = self.h2_client()
         task = asyncio.ensure_future(client.push(V1_MESSAGE))
-        await asyncio.sleep(0)
+        for _ in range(2):
+            await asyncio.sleep(0)  # the push's step, then the engine's turn that begins it
         self.assertEqual(engine_route(client).connecting, 1)  # the TLS handshake under way
         task.cancel()
         with self.assertRaises(asyncio.CancelledError):
@@ -8163,7 +8164,9 @@ class AsyncClientLifeTest(AsyncTestCase):
         await outcomes.__anext__()
         slow = [asyncio.ensure_future(h1.push({"token": "held"})),
                 asyncio.ensure_future(h2.push({"token": "slow"}))]
-        await eventually(lambda: self.server.processed >= 5, "the slow requests read")
+        def read(token: str) -> bool:
+            return any(b'"token":"%s"' % token.encode() in r.body for r in self.server.requests)
+        await eventually(lambda: read("held") and read("slow"), "the slow requests read")
         closing = asyncio.gather(h1.aclose(), h2.aclose())
         await asyncio.sleep(0)  # each has ended its requests, and waits for its connections
         answer.set()  # into a closed connection, so the server reads on and sees it closed
