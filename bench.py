@@ -80,7 +80,7 @@ class Row:
     relayed: bool = False  # through the 50 ms relay
     http2: bool = True  # andpush.new(http2=...); the protocol the server must see
     concurrency: int = 1  # threads, tasks or push_many's concurrency: the ideal's numerator
-    warm: int = 0  # messages sent first, untimed, on the same client (push() or push_many)
+    warm: int = 0  # messages sent first, untimed, by the row's own work on the same client
     batches: int = 1
     base: str = ""  # what ``ratio`` divides by: "floor" or "ideal"
     min_ratio: Optional[float] = None
@@ -104,10 +104,12 @@ ROWS = [
     Row("relay-ceiling", "ceiling", "raw pipelined HTTP/1.1 through the relay, %d conns x %d"
         % (CEILING_CONNECTIONS, CEILING_DEPTH), count=100_000, relayed=True, http2=False,
         concurrency=700, base="ideal", min_relay_headroom=3.0),
-    Row("threads-100", "threads", "push() from 100 threads, new client", count=4000,
-        relayed=True, concurrency=100, base="ideal", min_ratio=0.9, max_conns=2, max_cpu=0.08),
-    Row("async-push-1000", "async-push", "asyncio: await push() from 1,000 tasks, new client",
-        count=20_000, relayed=True, concurrency=1000, base="ideal", min_ratio=0.9, max_cpu=0.05),
+    Row("threads-100", "threads", "push() from 100 threads, each after one push", count=4000,
+        relayed=True, concurrency=100, warm=100, base="ideal", min_ratio=0.9, max_conns=2,
+        max_cpu=0.08),
+    Row("async-push-1000", "async-push", "asyncio: await push() from 1,000 tasks, after one each",
+        count=40_000, relayed=True, concurrency=1000, warm=1000, base="ideal", min_ratio=0.9,
+        max_cpu=0.05),
     Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
         count=10_000, relayed=True, concurrency=100, base="ideal"),
     Row("many-700-new", "many", "push_many(concurrency=700), 10k on a new client",
@@ -527,6 +529,16 @@ def repeated(call: Callable[[], object]) -> Callable[[Tally, int], None]:
     return work
 
 
+def warm_up(work: Callable[[Tally, int], None], count: int) -> None:
+    """Run ``count`` messages of a row's own work first, untimed (raise if any failed):
+    the connections it needs are up, as in a client that has sent before."""
+    warm = Tally()
+    if count:
+        work(warm, count)
+    if warm.failed:
+        raise RuntimeError("warm-up failed: " + warm.first_error)
+
+
 def setup_floor(row: Row, port: int, cafile: str, project: str = PROJECT) -> Work:
     connection = RawConnection(port, cafile, project)
     return repeated(connection.exchange), connection.sock.close
@@ -563,14 +575,10 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
             for _, outcome in client.push_many(messages(count), concurrency=row.concurrency):
                 tally.add(outcome)
 
-    warm = Tally()
-    if row.kind == "many":
-        many(warm, row.warm, 1)
-    else:
-        sequential(warm, row.warm)
-    if warm.failed:
-        raise RuntimeError("warm-up failed: " + warm.first_error)
-    return {"push": sequential, "threads": threads, "many": many}[row.kind], client.close
+    work = {"push": sequential, "threads": threads, "many": many}[row.kind]
+    warm_up((lambda tally, count: many(tally, count, 1)) if row.kind == "many" else work,
+            row.warm)
+    return work, client.close
 
 
 def setup_async(row: Row, port: int, cafile: str) -> Work:
@@ -600,6 +608,7 @@ def setup_async(row: Row, port: int, cafile: str) -> Work:
                                                      concurrency=row.concurrency):
                 tally.add(outcome)
     work = tasks if row.kind == "async-push" else many
+    warm_up(lambda tally, count: loop.run_until_complete(tasks(tally, count)), row.warm)
     return (lambda tally, count: loop.run_until_complete(work(tally, count)),
             lambda: (loop.run_until_complete(client.aclose()), loop.close()))
 
