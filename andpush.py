@@ -1452,6 +1452,7 @@ class _H2Connection:
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
         self._answers: Dict[Tuple[Tuple[str, str], ...], Tuple[int, Headers]] = {}
         self.streams: Dict[int, _H2Stream] = {}   # in the order started
+        self._blocked: List[_H2Stream] = []       # those whose DATA waits for a window
         self.finished: List[Tuple[object, Union[Response, Exception]]] = []
         self._next_id = 1
         self.max_streams = 0               # none until the server's SETTINGS say how many
@@ -1548,6 +1549,7 @@ class _H2Connection:
             size = min(len(stream.pending), self._peer_frame, self._peer_window,
                        stream.send_window)
             if size <= 0:
+                self._blocked.append(stream)
                 return
             piece, stream.pending = stream.pending[:size], stream.pending[size:]
             self._peer_window -= size
@@ -1763,9 +1765,11 @@ class _H2Connection:
         self._unblock()
 
     def _unblock(self) -> None:
-        """Queue the DATA that was waiting for a larger window."""
-        for stream in self.streams.values():
-            if stream.pending:
+        """Queue the DATA that was waiting for a larger window, oldest stream first (only
+        those: a WINDOW_UPDATE comes for most streams, while most have sent all)."""
+        blocked, self._blocked = self._blocked, []
+        for stream in blocked:
+            if self.streams.get(stream.id) is stream:  # not ended meanwhile
                 self._send_data(stream)
 
     # Ending streams -------------------------------------------------------------

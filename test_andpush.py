@@ -3546,6 +3546,17 @@ class H2FlowControlTest(H2TestCase):
         conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 0, struct.pack(">I", 100000)))
         self.assertEqual(self.data_sent(conn), [(3, 465, H2_END_STREAM)])
 
+    def test_bodies_waiting_go_out_oldest_first_and_never_for_a_stream_ended(self) -> None:
+        conn = self.open((H2_INITIAL_WINDOW_SIZE, 100))
+        for key in ("a", "b", "c"):
+            self.start(conn, key, b"x" * 150)
+        self.assertEqual(self.data_sent(conn), [(1, 100, 0), (3, 100, 0), (5, 100, 0)])
+        conn.cancel(3)
+        conn.receive(h2_settings((H2_INITIAL_WINDOW_SIZE, 200)))   # 100 more for each stream
+        self.assertEqual(self.data_sent(conn), [(1, 50, H2_END_STREAM), (5, 50, H2_END_STREAM)])
+        conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 0, struct.pack(">I", 1000)))
+        self.assertEqual(self.data_sent(conn), [])
+
     def test_frames_follow_the_servers_max_frame_size(self) -> None:
         conn = self.open((H2_MAX_FRAME_SIZE, 20000), (H2_INITIAL_WINDOW_SIZE, 1 << 20))
         conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 20)))
