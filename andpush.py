@@ -2888,8 +2888,8 @@ class _Loop(_Engine):
             if self._thread is None:
                 self._take_over(lead)
                 return lead
-            if not woken:
-                self.wake()
+        if not woken:
+            self.wake()  # outside the lock, which a thread waiting in send would hold
         return False
 
     def _in_a_forked_child(self) -> bool:
