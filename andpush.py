@@ -53,7 +53,6 @@ import binascii
 import collections
 import contextlib
 import heapq
-import hashlib
 import json
 import logging
 import math
@@ -316,14 +315,16 @@ _LONG_DAY_NAME = r"(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)"
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 _MONTH = r"(?P<month>%s)" % "|".join(_MONTHS)
 _CLOCK = r"(?P<hour>[0-9]{2}):(?P<minute>[0-9]{2}):(?P<second>[0-9]{2})"
-_HTTP_DATES = tuple(re.compile(pattern, re.ASCII) for pattern in (
+# Compiled when first used (by the re module's cache): few answers carry a date.
+_HTTP_DATES = (
     # IMF-fixdate: Sun, 06 Nov 1994 08:49:37 GMT
-    r"%s, (?P<day>[0-9]{2}) %s (?P<year>[0-9]{4}) %s GMT\Z" % (_DAY_NAME, _MONTH, _CLOCK),
+    r"(?a)%s, (?P<day>[0-9]{2}) %s (?P<year>[0-9]{4}) %s GMT\Z" % (_DAY_NAME, _MONTH, _CLOCK),
     # obsolete RFC 850: Sunday, 06-Nov-94 08:49:37 GMT
-    r"%s, (?P<day>[0-9]{2})-%s-(?P<year>[0-9]{2}) %s GMT\Z" % (_LONG_DAY_NAME, _MONTH, _CLOCK),
+    r"(?a)%s, (?P<day>[0-9]{2})-%s-(?P<year>[0-9]{2}) %s GMT\Z"
+    % (_LONG_DAY_NAME, _MONTH, _CLOCK),
     # asctime: Sun Nov  6 08:49:37 1994
-    r"%s %s (?P<day>[ 0-9][0-9]) %s (?P<year>[0-9]{4})\Z" % (_DAY_NAME, _MONTH, _CLOCK),
-))
+    r"(?a)%s %s (?P<day>[ 0-9][0-9]) %s (?P<year>[0-9]{4})\Z" % (_DAY_NAME, _MONTH, _CLOCK),
+)
 _DELTA_SECONDS = re.compile(r"[0-9]+\Z", re.ASCII)
 # RFC 9111 section 1.2.2: a delta-seconds too big to hold counts as 2^31.
 _MAX_DELTA_SECONDS = 2 ** 31
@@ -353,7 +354,7 @@ def _retry_after(value: Optional[str]) -> Optional[float]:
 def _http_date(value: str) -> Optional[float]:
     """The Unix time an HTTP-date stands for, or None if it is not one or not a real date."""
     for form in _HTTP_DATES:
-        match = form.match(value)
+        match = re.match(form, value)
         if match:
             break
     else:
@@ -4157,6 +4158,8 @@ def _parse_private_key(pem: str) -> _RSAPrivateKey:
 
 def _rs256_sign(key: _RSAPrivateKey, message: bytes) -> bytes:
     """Sign with RSASSA-PKCS1-v1_5 over SHA-256 (JWS RS256), using the CRT for speed."""
+    import hashlib  # here, not above: it loads OpenSSL's digests, 3 ms that most never use
+
     m = int.from_bytes(key.em_prefix + hashlib.sha256(message).digest(), "big")
     s1 = pow(m, key.dp, key.p)
     s2 = pow(m, key.dq, key.q)
