@@ -2171,7 +2171,7 @@ class _Route:
         self.speaks_h2: Optional[bool] = None    # known from the first connection's ALPN
         self.h2: List[_H2Link] = []
         self.idle: List[_H1Link] = []            # most recently used last
-        self.busy: List[_H1Link] = []
+        self.busy: Dict[_H1Link, None] = {}    # a dict: any one leaves at O(1)
         self.connecting = 0
         self.generation = 0                      # counts resets: a connect from before is stale
         self.waiting: Deque[_Exchange] = collections.deque()
@@ -2185,7 +2185,7 @@ class _Route:
 
     def reset(self) -> None:
         """Forget every connection and request: in a forked child, or after a crash."""
-        self.h2, self.idle, self.busy = [], [], []
+        self.h2, self.idle, self.busy = [], [], {}
         self.connecting = 0
         self.generation += 1
         self.waiting.clear()
@@ -2582,8 +2582,12 @@ class _Engine:
                             exchange.deadline)
         else:
             assert isinstance(link, _H1Link)
-            link.route.idle.remove(link)
-            link.route.busy.append(link)
+            idle = link.route.idle
+            if idle[-1] is link:  # as _link_for takes them: the most recently used
+                idle.pop()
+            else:
+                idle.remove(link)
+            link.route.busy[link] = None
             link.exchange = exchange
             link.reader = _H1Reader(link.route.heads)
             link.out += _encode_request(link.route.host, exchange.method, exchange.path,
@@ -2620,7 +2624,7 @@ class _Engine:
         assert exchange is not None
         link.exchange = None
         if keep:
-            link.route.busy.remove(link)
+            del link.route.busy[link]
             link.route.idle.append(link)
             link.reused = True
             link.idle_since = self.policy.clock.now()
@@ -2666,7 +2670,10 @@ class _Engine:
         self._shut(link)
         route = link.route
         if isinstance(link, _H1Link):
-            (route.busy if link in route.busy else route.idle).remove(link)
+            if link in route.busy:
+                del route.busy[link]
+            else:
+                route.idle.remove(link)
         else:
             assert isinstance(link, _H2Link)
             route.h2.remove(link)
