@@ -2171,11 +2171,11 @@ class _Route:
         self.speaks_h2: Optional[bool] = None    # known from the first connection's ALPN
         self.h2: List[_H2Link] = []
         self.idle: List[_H1Link] = []            # most recently used last
-        self.busy: Dict[_H1Link, None] = {}    # a dict: any one leaves at O(1)
+        self.busy: Dict[_H1Link, None] = {}      # a dict: any one leaves at O(1)
         self.connecting = 0
         self.generation = 0                      # counts resets: a connect from before is stale
         self.waiting: Deque[_Exchange] = collections.deque()
-        self.heads: Dict[bytes, _H1Head] = {}  # HTTP/1.1 response heads seen, parsed
+        self.heads: Dict[bytes, _H1Head] = {}    # HTTP/1.1 response heads seen, parsed
 
     def links(self) -> List[_Link]:
         return [*self.h2, *self.idle, *self.busy]
@@ -3006,10 +3006,10 @@ class _Loop(_Engine):
 
     def _has_work(self) -> bool:
         """Whether anything but idle connections is left: requests, batches, timers."""
-        return bool(self._timers or self._batches or self._needs_token or self._dirty
-                    or self._arrived or any(
-            route.waiting or route.connecting or route.busy
-            or any(h2.conn.streams for h2 in route.h2) for route in self._routes))
+        return bool(
+            self._timers or self._batches or self._needs_token or self._dirty or self._arrived
+            or any(route.waiting or route.connecting or route.busy
+                   or any(h2.conn.streams for h2 in route.h2) for route in self._routes))
 
     def _poll(self) -> None:
         """Handle what the connections received while no thread ran the loop."""

@@ -8034,6 +8034,17 @@ class AsyncCancellationTest(AsyncTestCase):
         self.assertEqual(tokens_sent(self.server), ["after"])
         self.assertEqual(self.server.handshakes, 1)
 
+    async def test_a_push_cancelled_before_the_engine_began_it_is_dropped(self) -> None:
+        # A push begins at the engine's next turn, which asyncio runs before any later
+        # cancellation; were it cancelled first, however, it would still not be sent.
+        client = self.h2_client()
+        await client.push({"token": "before"})
+        exchange = client._requests.push({"token": "cancelled"}, False, None)
+        client._loop._arrive(exchange)
+        client._loop._cancel(exchange)
+        await client.push({"token": "after"})
+        self.assertEqual(tokens_sent(self.server), ["before", "after"])
+
     async def test_cancelled_while_waiting_for_a_token_nothing_is_sent(self) -> None:
         released = threading.Event()
         issue = self.server.routes[("POST", "/token")]
