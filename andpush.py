@@ -325,7 +325,6 @@ _HTTP_DATES = (
     # asctime: Sun Nov  6 08:49:37 1994
     r"(?a)%s %s (?P<day>[ 0-9][0-9]) %s (?P<year>[0-9]{4})\Z" % (_DAY_NAME, _MONTH, _CLOCK),
 )
-_DELTA_SECONDS = re.compile(r"[0-9]+\Z", re.ASCII)
 # RFC 9111 section 1.2.2: a delta-seconds too big to hold counts as 2^31.
 _MAX_DELTA_SECONDS = 2 ** 31
 _DAYS_BEFORE_MONTH = (0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334)
@@ -345,7 +344,7 @@ def _retry_after(value: Optional[str]) -> Optional[float]:
     if not value:
         return None
     value = value.strip()
-    if _DELTA_SECONDS.match(value):
+    if value.isascii() and value.isdigit():  # delta-seconds
         return float(min(float(value), _MAX_DELTA_SECONDS))
     when = _http_date(value)
     return None if when is None else max(0.0, when - time.time())
@@ -4363,12 +4362,12 @@ class _StaticToken(_Credentials):
 
 
 # What may follow "Bearer " in a header: visible ASCII, as in RFC 6750's b64token and wider.
-_HEADER_TOKEN = re.compile(r"[\x21-\x7e]+\Z")
+_HEADER_TOKEN = r"[\x21-\x7e]+\Z"  # compiled when first used, as the message patterns
 
 
 def _is_header_token(token: str) -> bool:
     """Whether an access token can go into an Authorization header as it is."""
-    return _HEADER_TOKEN.match(token) is not None
+    return re.match(_HEADER_TOKEN, token) is not None
 
 
 def _field(info: Dict[str, Any], name: str) -> str:
@@ -4574,7 +4573,8 @@ def _gcloud_config_dir() -> str:
 _TARGETS = ("token", "topic", "condition", "fid")
 _TARGET_SET = frozenset(_TARGETS)
 _MULTICAST_FIELDS = ("tokens", "registration_ids")  # other clients' ways to name many targets
-_TOPIC_NAME = re.compile(r"[a-zA-Z0-9\-_.~%]{1,900}\Z")
+# Patterns are compiled when first used (the re module keeps them): most never are.
+_TOPIC_NAME = r"[a-zA-Z0-9\-_.~%]{1,900}\Z"
 _RESERVED_DATA_KEYS = ("from", "message_type")
 _RESERVED_DATA_PREFIXES = ("google", "gcm")
 #: Bytes of a data payload FCM takes, counting each key and value in UTF-8.
@@ -4583,9 +4583,9 @@ MAX_DATA_BYTES = 4096
 MAX_TTL_SECONDS = 2419200
 # FCM takes the priority in either case: firebase-admin sends "high", the REST docs say "HIGH".
 _PRIORITIES = ("normal", "high")
-_TTL = re.compile(r"[0-9]+(?:\.[0-9]{1,9})?s\Z", re.ASCII)  # google.protobuf.Duration in JSON
-_COLOR = re.compile(r"#[0-9a-fA-F]{6}\Z")
-_ANALYTICS_LABEL = re.compile(r"[a-zA-Z0-9\-_.~%]{1,50}\Z")
+_TTL = r"(?a)[0-9]+(?:\.[0-9]{1,9})?s\Z"  # google.protobuf.Duration in JSON
+_COLOR = r"#[0-9a-fA-F]{6}\Z"
+_ANALYTICS_LABEL = r"[a-zA-Z0-9\-_.~%]{1,50}\Z"
 _NOTIFICATION_TEXTS = ("title", "body", "image")
 _PLATFORMS = ("android", "apns", "webpush")
 _SECTIONS = frozenset(("fcm_options", "fcmOptions") + _PLATFORMS)  # checked when present
@@ -4683,7 +4683,7 @@ def _check_android(android: Dict[str, Any]) -> None:
 
 
 def _check_color(color: object, where: str) -> None:
-    if color is not None and not (isinstance(color, str) and _COLOR.match(color)):
+    if color is not None and not (isinstance(color, str) and re.match(_COLOR, color)):
         raise ValueError(
             'message %s must be #rrggbb, such as "#ff8800"; got %s' % (where, _shown(color))
         )
@@ -4699,7 +4699,7 @@ def _check_priority(priority: object, where: str) -> None:
 
 
 def _check_ttl(ttl: object) -> None:
-    if not (isinstance(ttl, str) and _TTL.match(ttl) and float(ttl[:-1]) <= MAX_TTL_SECONDS):
+    if not (isinstance(ttl, str) and re.match(_TTL, ttl) and float(ttl[:-1]) <= MAX_TTL_SECONDS):
         raise ValueError(
             'message android.ttl must be a duration string of 0 to %d seconds, such as "3600s" '
             'or "0.5s"; got %s' % (MAX_TTL_SECONDS, _shown(ttl))
@@ -4713,7 +4713,7 @@ def _check_fcm_options(section: Dict[str, Any], where: str) -> None:
         return
     options = _check_section(options, where + "fcm_options")
     label = _either(options, "analytics_label", "analyticsLabel")
-    if label is not None and not (isinstance(label, str) and _ANALYTICS_LABEL.match(label)):
+    if label is not None and not (isinstance(label, str) and re.match(_ANALYTICS_LABEL, label)):
         raise ValueError(
             "message %sfcm_options.analytics_label must be 1 to 50 of a-z A-Z 0-9 - _ . ~ %%; "
             "got %s" % (where, _shown(label))
@@ -4755,7 +4755,7 @@ def _shown(value: object) -> str:
 def _check_topic(topic: str) -> None:
     if topic.startswith("/topics/"):
         raise ValueError("topic names go without the /topics/ prefix: use %r" % topic[8:])
-    if not _TOPIC_NAME.match(topic):
+    if not re.match(_TOPIC_NAME, topic):
         raise ValueError(
             "topic %r is not a valid topic name: use 1 to 900 of a-z A-Z 0-9 - _ . ~ %%"
             % topic[:40]
