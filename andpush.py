@@ -2239,9 +2239,9 @@ class _Engine:
 
     # What the driver provides -------------------------------------------------------
 
-    def _open(self, route: _Route) -> None:
-        """Start opening one connection to ``route``; the driver calls ``_connected``
-        with it (or with the NetworkError) when it is done."""
+    def _open(self, route: _Route, count: int) -> None:
+        """Start opening ``count`` connections to ``route``, all at once; the driver calls
+        ``_connected`` with each (or ``_connect_failed``) when it is done."""
         raise NotImplementedError
 
     def _watch(self, link: _Link) -> None:
@@ -2518,9 +2518,10 @@ class _Engine:
             wanted = len(route.waiting) - route.connecting
         else:  # the first connections: as many as HTTP/2 would need, all at once
             wanted = -(-len(route.waiting) // _H2_STREAMS_EXPECTED) - route.connecting
-        for _ in range(min(wanted, route.limit - route.connections())):
-            route.connecting += 1
-            self._open(route)
+        count = min(wanted, route.limit - route.connections())
+        if count > 0:
+            route.connecting += count
+            self._open(route, count)
 
     def _no_connection(self, route: _Route, error: NetworkError) -> None:
         if route.connections():
@@ -3055,13 +3056,24 @@ class _Loop(_Engine):
             if events & selectors.EVENT_READ:
                 self._read(link)
 
-    def _open(self, route: _Route) -> None:
-        threading.Thread(target=self._connect, args=(route,), name="andpush-connect",
-                         daemon=True).start()
+    def _open(self, route: _Route, count: int) -> None:
+        self._start_connecting(route, count, route.generation)
 
-    def _connect(self, route: _Route) -> None:
-        """On a thread of its own: connect, then hand the socket (or the error) to the loop."""
-        generation = route.generation
+    def _start_connecting(self, route: _Route, count: int, generation: int) -> None:
+        threading.Thread(target=self._connect, args=(route, count, generation),
+                         name="andpush-connect", daemon=True).start()
+
+    def _connect(self, route: _Route, count: int, generation: int) -> None:
+        """On a thread of its own: connect, then hand the socket (or the error) to the loop.
+
+        Of the ``count`` connections asked for, the others go to at most two threads this
+        one starts first, each with half of them: starting a thread takes its starter a
+        millisecond or more while others hold the GIL, so the loop starts one, and the
+        last of 200 connections begins after eight starts, not 200."""
+        rest = count - 1
+        for share in (rest - rest // 2, rest // 2):
+            if share:
+                self._start_connecting(route, share, generation)
         try:
             sock = _connect(route.origin, self._ssl_context, self._connect_timeout)
         except NetworkError as exc:
@@ -3295,11 +3307,12 @@ class _AsyncLoop(_Engine):
 
     # Connections ------------------------------------------------------------------
 
-    def _open(self, route: _Route) -> None:
+    def _open(self, route: _Route, count: int) -> None:
         assert self._loop is not None
-        task = self._loop.create_task(self._connect(route, route.generation))
-        self._connecting.add(task)
-        task.add_done_callback(self._connecting.discard)
+        for _ in range(count):
+            task = self._loop.create_task(self._connect(route, route.generation))
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
 
     async def _connect(self, route: _Route, generation: int) -> None:
         import asyncio
