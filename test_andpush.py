@@ -8186,6 +8186,7 @@ class AsyncClientLifeTest(AsyncTestCase):
         await outcomes.__anext__()
         slow = [asyncio.ensure_future(h1.push({"token": "held"})),
                 asyncio.ensure_future(h2.push({"token": "slow"}))]
+
         def read(token: str) -> bool:
             return any(b'"token":"%s"' % token.encode() in r.body for r in self.server.requests)
         await eventually(lambda: read("held") and read("slow"), "the slow requests read")
