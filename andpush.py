@@ -48,6 +48,8 @@ Errors form one tree; each says whose fault it is::
           +-- ServerError  5xx: InternalError, UnavailableError
 """
 
+from __future__ import annotations
+
 import base64
 import binascii
 import collections
