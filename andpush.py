@@ -3065,6 +3065,15 @@ class _Loop(_Engine):
         threading.Thread(target=self._connect, args=(route, count, generation),
                          name="andpush-connect", daemon=True).start()
 
+    def _connects_failed(self, route: _Route, error: NetworkError, generation: int,
+                         count: int) -> None:
+        """Tell the loop, from a connect thread, that ``count`` connections failed."""
+        def failed() -> None:
+            for _ in range(count):
+                self._connect_failed(route, error, generation)
+        with contextlib.suppress(ValueError):  # the client was closed meanwhile
+            self._post(failed)
+
     def _connect(self, route: _Route, count: int, generation: int) -> None:
         """On a thread of its own: connect, then hand the socket (or the error) to the loop.
 
@@ -3074,14 +3083,18 @@ class _Loop(_Engine):
         last of 200 connections begins after eight starts, not 200."""
         rest = count - 1
         for share in (rest - rest // 2, rest // 2):
-            if share:
+            if not share:
+                continue
+            try:
                 self._start_connecting(route, share, generation)
+            except RuntimeError as exc:  # the process has no thread to spare
+                self._connects_failed(route, NetworkError(
+                    "could not connect to %r: %s" % (route, exc),
+                    may_have_been_delivered=False), generation, share)
         try:
             sock = _connect(route.origin, self._ssl_context, self._connect_timeout)
         except NetworkError as exc:
-            error = exc
-            with contextlib.suppress(ValueError):  # the client was closed meanwhile
-                self._post(lambda: self._connect_failed(route, error, generation))
+            self._connects_failed(route, exc, generation, 1)
             return
         h2 = isinstance(sock, _TLSSocket) and sock.alpn == "h2"
 

@@ -7059,6 +7059,40 @@ class EngineTest(HTTP2TestCase):
         self.assertLessEqual(self.server.handshakes, 4)
         self.assertEqual(self.server.processed, 80)
 
+    def test_connect_threads_that_cannot_start_are_counted_and_the_client_recovers(
+            self) -> None:
+        # A process out of threads: a connect thread whose own threads do not start reports
+        # those connections failed, so that none is waited for (or counted) for ever. The
+        # loop's next start raises, and like any failure of the loop ends what it held
+        # truthfully; then the client sends again.
+        client = self.h2_client(http2=False)
+        client.push(V1_MESSAGE)  # the route speaks HTTP/1.1: the next opening asks for four
+        start = threading.Thread.start
+        connect_threads: List[threading.Thread] = []
+
+        def start_one(thread: threading.Thread) -> None:
+            if thread.name == "andpush-connect":
+                if connect_threads:
+                    raise RuntimeError("can't start new thread")
+                connect_threads.append(thread)
+            start(thread)
+
+        outcomes: List[object] = []
+        with unittest.mock.patch.object(threading.Thread, "start", start_one), \
+                self.assertLogs("andpush", "ERROR"):
+            try:
+                for _, outcome in client.push_many([{"token": "t%d" % i} for i in range(10)],
+                                                   concurrency=5):
+                    outcomes.append(outcome)
+            except andpush.NetworkError as exc:
+                self.assertIn("can't start new thread", str(exc))
+        self.assertEqual(len(connect_threads), 1)  # the one that was to start the other three
+        self.assertTrue(outcomes)
+        for outcome in outcomes:
+            self.assertIsInstance(outcome, (andpush.Response, andpush.NetworkError))
+        self.assertEqual(client.push(V1_MESSAGE).status_code, 200)
+        self.assertEqual(len(list(client.push_many([V1_MESSAGE] * 4, concurrency=4))), 4)
+
     def test_threads_and_push_many_share_the_same_connection(self) -> None:
         self.server.reply_delay = 0.02
         client = self.h2_client()
