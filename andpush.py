@@ -2157,6 +2157,13 @@ class _H2Link(_Link):
         self.conn.wrote(count)
 
 
+# Seconds no connection is added to a route after one failed to come up while others
+# carry its requests; doubled by each later round of failures, up to the most. A server
+# that turns away connections beyond a limit so gets a few more tries, not a storm of them.
+_CONNECT_BACKOFF = 0.5
+_MAX_CONNECT_BACKOFF = 30.0
+
+
 class _Route:
     """The requests to one origin, and the connections that carry them (the engine's own).
 
@@ -2174,6 +2181,8 @@ class _Route:
         self.idle: List[_H1Link] = []            # most recently used last
         self.busy: Dict[_H1Link, None] = {}      # a dict: any one leaves at O(1)
         self.connecting = 0
+        self.failed_connects = 0                 # rounds of them since one came up
+        self.hold_until = 0.0                    # no connection is added before (0: none)
         self.generation = 0                      # counts resets: a connect from before is stale
         self.waiting: Deque[_Exchange] = collections.deque()
         self.heads: Dict[bytes, _H1Head] = {}    # HTTP/1.1 response heads seen, parsed
@@ -2300,6 +2309,7 @@ class _Engine:
         if generation != route.generation:
             return False
         route.connecting -= 1
+        route.failed_connects = 0
         now = self.policy.clock.now()
         link: _Link
         if h2:
@@ -2508,7 +2518,10 @@ class _Engine:
         return None, 0
 
     def _open_more(self, route: _Route) -> None:
-        """Open as many connections as the waiting exchanges need, within the limit."""
+        """Open as many connections as the waiting exchanges need, within the limit; none
+        more while the route holds off after a failed connect (see _no_connection)."""
+        if route.hold_until and route.connections():
+            return
         if route.speaks_h2:
             per = max([link.conn.max_streams for link in route.h2
                        if link.conn.state == "OPEN"] + [1])
@@ -2526,7 +2539,16 @@ class _Engine:
             self._open(route, count)
 
     def _no_connection(self, route: _Route, error: NetworkError) -> None:
+        """A connection did not come up. If others can carry the waiting exchanges, they
+        do, and the route adds none for a while; if none can, the waiting fail."""
         if route.connections():
+            if not route.hold_until:  # one round of failures, however many connects
+                route.failed_connects += 1
+                clock = self.policy.clock
+                seconds = clock.delay(min(_CONNECT_BACKOFF * 2 ** (route.failed_connects - 1),
+                                          _MAX_CONNECT_BACKOFF))
+                route.hold_until = clock.now() + seconds
+                self._soon(route.hold_until)
             self._place(route)
             return
         waiting, route.waiting = route.waiting, collections.deque()
@@ -2699,8 +2721,12 @@ class _Engine:
     # Deadlines ----------------------------------------------------------------------
 
     def _expire(self, now: float) -> None:
-        """End what waited too long: answers, SETTINGS, idle connections; PING the quiet."""
+        """End what waited too long: answers, SETTINGS, idle connections; PING the quiet;
+        let routes that held off after a failed connect add connections again."""
         for route in self._routes:
+            if route.hold_until and route.hold_until <= now:
+                route.hold_until = 0.0
+                self._place(route)
             for h2 in list(route.h2):
                 conn = h2.conn
                 if conn.state == "WAITING_FOR_SETTINGS":
@@ -2735,7 +2761,8 @@ class _Engine:
 
     def _soon(self, deadline: float) -> None:
         """Something new is due at ``deadline``: a request's answer, a connection's
-        SETTINGS, PING or keep-alive (the next ``_turn`` after it calls ``_expire``)."""
+        SETTINGS, PING or keep-alive, a route's hold-off (the next ``_turn`` after it
+        calls ``_expire``)."""
         if deadline < self._due:
             self._due = deadline
 
@@ -2749,6 +2776,8 @@ class _Engine:
         after ``_expire``; ``_soon`` lowers it as new ones come."""
         due = []
         for route in self._routes:
+            if route.hold_until:
+                due.append(route.hold_until)
             for h2 in route.h2:
                 if h2.conn.state == "WAITING_FOR_SETTINGS":
                     due.append(h2.opened + self._connect_timeout)
