@@ -2299,9 +2299,12 @@ class _Engine:
             self._due = self._earliest_deadline()
         return self._timeout(now)
 
-    def _is_idle(self) -> bool:
-        return not (self._timers or self._batches or self._needs_token or self._arrived or any(
-            route.connections() or route.waiting for route in self._routes))
+    def _has_work(self) -> bool:
+        """Whether anything but idle connections is left: requests, batches, timers."""
+        return bool(
+            self._timers or self._batches or self._needs_token or self._dirty or self._arrived
+            or any(route.waiting or route.connecting or route.busy
+                   or any(h2.conn.streams for h2 in route.h2) for route in self._routes))
 
     def _connected(self, route: _Route, carrier: Any, h2: bool, generation: int) -> bool:
         """Take a connection ``_open`` asked for (``carrier``: the driver's own); False if
@@ -3034,13 +3037,6 @@ class _Loop(_Engine):
             self._park()
             if self._inbox and not self._closed:
                 self._take_over(lead=False)  # what came meanwhile goes to a new thread
-
-    def _has_work(self) -> bool:
-        """Whether anything but idle connections is left: requests, batches, timers."""
-        return bool(
-            self._timers or self._batches or self._needs_token or self._dirty or self._arrived
-            or any(route.waiting or route.connecting or route.busy
-                   or any(h2.conn.streams for h2 in route.h2) for route in self._routes))
 
     def _poll(self) -> None:
         """Handle what the connections received while no thread ran the loop."""

@@ -1132,6 +1132,13 @@ def wait_until(condition: Callable[[], bool], limit: float = _WAIT_LIMIT) -> boo
     return True
 
 
+def settles(client: Any) -> bool:
+    """Wait until the client (or AsyncClient) holds no request: none waiting, due or in
+    flight, and no push_many that could start more; after that nothing more goes out.
+    False if it still holds one after the wait."""
+    return wait_until(lambda: not client._loop._has_work())
+
+
 class ServerTestCase(unittest.TestCase):
     """A test with its own fake server, and clients that are closed at the end."""
 
@@ -4732,23 +4739,24 @@ class PushManySpec:
         self.assertEqual(len(list(outcomes)), 199)
         self.assertEqual(messages.taken, 200)
 
-    def assert_every_send_reported(self: Any, pairs: List[Tuple[Any, Any]],
+    def assert_every_send_reported(self: Any, client: Any, pairs: List[Tuple[Any, Any]],
                                    messages: CountingMessages) -> None:
-        """The pairs answer t0, t1, ... in order, each a Response; the server processed
-        exactly those, and no more comes (at most one message taken as the reading stopped
-        is not sent)."""
+        """The pairs answer t0, t1, ... in order, each a Response; once the client holds no
+        request, the server processed exactly those (at most one message taken as the
+        reading stopped is not sent)."""
         self.assertEqual([m["token"] for m, _ in pairs], ["t%d" % i for i in range(len(pairs))])
         self.assertTrue(all(isinstance(o, andpush.Response) for _, o in pairs))
-        time.sleep(0.02)  # anything still going out would arrive meanwhile
+        self.assertTrue(settles(client))
         self.assertEqual(sorted(tokens_sent(self.server)), sorted(m["token"] for m, _ in pairs))
         self.assertIn(messages.taken - len(pairs), (0, 1))
 
     def test_closing_returns_the_pairs_of_every_message_read(self: Any) -> None:
         messages = CountingMessages(1000)
-        outcomes = self.fixed_token_client().push_many(messages, concurrency=4)
+        client = self.fixed_token_client()
+        outcomes = client.push_many(messages, concurrency=4)
         first = [next(outcomes) for _ in range(3)]
         rest = outcomes.close()  # type: ignore[attr-defined]
-        self.assert_every_send_reported(first + rest, messages)
+        self.assert_every_send_reported(client, first + rest, messages)
         self.assertLessEqual(messages.taken, 3 + 4 * andpush._WINDOW_PER_WORKER)
         with self.assertRaises(StopIteration):
             next(outcomes)
@@ -4756,35 +4764,35 @@ class PushManySpec:
 
     def test_stopping_lets_the_iteration_drain_what_was_read(self: Any) -> None:
         messages = CountingMessages(1000)
-        outcomes = self.fixed_token_client().push_many(messages, concurrency=4)
+        client = self.fixed_token_client()
+        outcomes = client.push_many(messages, concurrency=4)
         first = next(outcomes)
         outcomes.stop()  # type: ignore[attr-defined]
         pairs = [first, *outcomes]
-        self.assert_every_send_reported(pairs, messages)
+        self.assert_every_send_reported(client, pairs, messages)
         self.assertEqual(outcomes.close(), [])  # type: ignore[attr-defined]
 
     def test_close_after_an_exception_in_the_loop_still_gives_the_rest(self: Any) -> None:
         messages = CountingMessages(1000)
-        outcomes = self.fixed_token_client().push_many(messages, concurrency=4)
+        client = self.fixed_token_client()
+        outcomes = client.push_many(messages, concurrency=4)
         seen: List[Tuple[Any, Any]] = []
         with self.assertRaises(KeyError):
             for pair in outcomes:
                 seen.append(pair)
                 if len(seen) == 10:
                     raise KeyError("the consumer's own failure")
-        self.assert_every_send_reported(seen + outcomes.close(), messages)  # type: ignore
+        self.assert_every_send_reported(client, seen + outcomes.close(), messages)  # type: ignore
 
     def test_dropping_the_iterator_stops_sending(self: Any) -> None:
         messages = CountingMessages(1000)
-        outcomes = self.fixed_token_client().push_many(messages, concurrency=4)
+        client = self.fixed_token_client()
+        outcomes = client.push_many(messages, concurrency=4)
         next(outcomes)
         del outcomes
-        time.sleep(0.05)  # what was in flight lands
-        sent = len(tokens_sent(self.server))
+        self.assertTrue(settles(client))  # what was in flight landed; nothing more goes out
         self.assertLessEqual(messages.taken, 1 + 4 * andpush._WINDOW_PER_WORKER)
-        self.assertLessEqual(sent, messages.taken)
-        time.sleep(0.03)  # anything still going out would arrive meanwhile
-        self.assertEqual(len(tokens_sent(self.server)), sent)
+        self.assertLessEqual(len(tokens_sent(self.server)), messages.taken)
 
     def test_progress_counts_done_and_failed(self: Any) -> None:
         self.server.by_token["gone"] = [fcm_error(404, "UNREGISTERED")]
@@ -7448,10 +7456,11 @@ class HTTP2Test(HTTP2TestCase):
     def test_closing_the_iterator_stops_the_sender(self) -> None:
         self.server.reply_delay = 0.01
         messages = CountingMessages(5000)
-        outcomes = self.h2_client().push_many(messages, concurrency=10)
+        client = self.h2_client()
+        outcomes = client.push_many(messages, concurrency=10)
         first = next(outcomes)
         rest = outcomes.close()  # type: ignore[attr-defined]
-        time.sleep(0.05)  # anything still going out would arrive meanwhile
+        self.assertTrue(settles(client))
         self.assertEqual(self.server.processed, 1 + len(rest))
         self.assertEqual([m["token"] for m, _ in [first, *rest]],
                          ["t%d" % i for i in range(1 + len(rest))])
@@ -8173,11 +8182,8 @@ class AsyncCancellationTest(AsyncTestCase):
         with self.assertRaises(asyncio.CancelledError):
             await consumer
         self.assertLessEqual(messages.taken, len(seen) + 4 * andpush._WINDOW_PER_WORKER)
-        await eventually(lambda: not client._loop._batches, "the batch ended")
-        sent = self.sends()
-        self.assertLessEqual(sent, len(seen) + 4)  # what was in flight, no more
-        await asyncio.sleep(0.02)
-        self.assertEqual(self.sends(), sent)
+        await eventually(lambda: not client._loop._has_work(), "the client holds no request")
+        self.assertLessEqual(self.sends(), len(seen) + 4)  # what was in flight, no more
 
 
 class AsyncClientLifeTest(AsyncTestCase):
