@@ -5767,8 +5767,8 @@ class CliClosedOutputTest(CliTestCase):
     @unittest.skipIf(os.name != "posix", "pipes and SIGPIPE are POSIX")
     def test_results_piped_into_a_reader_that_leaves_stop_quietly_with_141(self) -> None:
         tokens = self.write("tokens.txt", "".join("t%d\n" % i for i in range(3000)))
-        argv, env = self.argv(("send-many", "--tokens", tokens, "--results", "-", "--title",
-                               "Hi", "--quiet"), "", None)
+        argv, env = self.argv(("send-many", "--tokens", tokens, "--results", "-",
+                               "--concurrency", "4", "--title", "Hi", "--quiet"), "", None)
         process = subprocess.Popen(
             python_command("-m", "andpush", *argv), cwd=_REPO, env=child_environment(env),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
