@@ -2196,7 +2196,8 @@ class _Route:
     def reset(self) -> None:
         """Forget every connection and request: in a forked child, or after a crash."""
         self.h2, self.idle, self.busy = [], [], {}
-        self.connecting = 0
+        self.connecting = self.failed_connects = 0
+        self.hold_until = 0.0
         self.generation += 1
         self.waiting.clear()
 
