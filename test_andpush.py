@@ -8458,6 +8458,31 @@ class AsyncFakeClockTest(AsyncTestCase):
         self.assertEqual((await client.push(V1_MESSAGE)).status_code, 200)
         self.assertEqual(self.server.processed, 2)
 
+    async def test_connects_failing_beside_a_working_one_hold_off_longer_each_round(
+            self) -> None:
+        client = self.h2_client(keep_alive_timeout=3600)  # idle the whole fake time
+        await client.push(V1_MESSAGE)  # one connection up
+        clock = FakeClock.install(client)
+        engine, route = client._loop, engine_route(client)
+        error = andpush.NetworkError("turned away", may_have_been_delivered=False)
+
+        def fail_round(count: int) -> None:
+            """``count`` connects fail, as the driver reports them; then a turn, in which
+            the hold-off they started has passed (on the fake clock, at once)."""
+            route.connecting += count
+            for _ in range(count):
+                engine._connect_failed(route, error, route.generation)
+            engine._turn()
+
+        for count in (1, 3, 1, 1, 1, 1, 1, 1):  # a round of three is one step
+            fail_round(count)
+        self.assertEqual(clock.sleeps, [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0])
+        self.assertEqual(len(route.h2), 1)  # it carried on meanwhile
+        engine._drop(route.h2[0])
+        await client.push(V1_MESSAGE)  # a connection that comes up starts afresh
+        fail_round(1)
+        self.assertEqual(clock.sleeps[-1], 0.5)
+
 
 
 if __name__ == "__main__":
