@@ -2527,9 +2527,9 @@ class _Engine:
         if route.hold_until and route.connections():
             return
         if route.speaks_h2:
-            per = max([link.conn.max_streams for link in route.h2
-                       if link.conn.state == "OPEN"] + [1])
-            per = min(per, _H2_STREAMS_EXPECTED) if per > 1 else _H2_STREAMS_EXPECTED
+            known = max([link.conn.max_streams for link in route.h2
+                         if link.conn.state == "OPEN"], default=0)
+            per = min(known, _H2_STREAMS_EXPECTED) if known > 0 else _H2_STREAMS_EXPECTED
             coming = route.connecting + sum(
                 link.conn.state == "WAITING_FOR_SETTINGS" for link in route.h2)
             wanted = -(-len(route.waiting) // per) - coming

@@ -8304,6 +8304,20 @@ class AsyncConcurrencyTest(AsyncTestCase):
         self.assertLessEqual(self.server.handshakes, math.ceil(1000 / streams) + 1)
         self.assertEqual(sent_counts(self.server), {"t%d" % i: 1 for i in range(1000)})
 
+    async def test_one_stream_a_connection_opens_the_connections_needed_at_once(
+            self) -> None:
+        self.server.max_concurrent_streams = 1  # read as each connection starts
+        self.server.reply_delay = 0.05
+        client = self.h2_client()
+        await client.push(V1_MESSAGE)  # the route's connections allow one stream each
+        openings: List[int] = []
+        opened = client._loop._open
+        client._loop._open = lambda route, count: (  # type: ignore[method-assign]
+            openings.append(count), opened(route, count))
+        outcomes = [o async for _, o in client.push_many([V1_MESSAGE] * 8, concurrency=4)]
+        self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
+        self.assertEqual(openings, [3])  # not one at a time, a round trip each
+
 
 class AsyncTokenTest(AsyncTestCase):
     """Tokens and project ids are asked once, however many coroutines need them."""
