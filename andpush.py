@@ -2208,6 +2208,10 @@ class _Route:
 # Bytes of requests waiting on a connection that are written at once, not at the end of the
 # turn: the first requests of a burst go out while the rest are being made and placed.
 _EARLY_WRITE = 8 * 1024
+# Exchanges begun at a time: push_many makes and starts its own in runs of this many, and
+# the asyncio client begins its callers' pushes in runs as well, so that the first of a
+# burst go out (see _EARLY_WRITE) while the rest are being made.
+_RUN = 32
 
 
 class _Engine:
@@ -2282,8 +2286,7 @@ class _Engine:
         Returns the seconds the driver may wait before the next turn (None: until a
         connection or a caller has something)."""
         if self._arrived:
-            arrived, self._arrived = self._arrived, []
-            self._begin_all(arrived)
+            self._begin_arrived()
         now = self.policy.clock.now()
         self._fire_timers(now)
         self._feed_batches()
@@ -2430,6 +2433,11 @@ class _Engine:
         """A caller's exchange: it begins at the next turn, with all that came meanwhile
         (placed together, as a burst)."""
         self._arrived.append(exchange)
+
+    def _begin_arrived(self) -> None:
+        """Begin the callers' exchanges that arrived since the last turn."""
+        arrived, self._arrived = self._arrived, []
+        self._begin_all(arrived)
 
     def _begin(self, exchange: _Exchange) -> None:
         """Start ``exchange`` at the moment the policy gives it (now, or a timer)."""
@@ -3278,8 +3286,10 @@ class _AsyncLoop(_Engine):
         return loop
 
     async def run(self, exchange: _Exchange) -> Outcome:
-        """Start ``exchange`` and wait for its outcome. Cancelled, it is dropped if unsent;
-        sent, its HTTP/2 stream is reset or its HTTP/1.1 connection closed."""
+        """Start ``exchange`` and wait for its outcome. It begins at the next turn with the
+        others that arrive meanwhile, or at once with a run of them (the turn comes only
+        after every task ready before it). Cancelled, it is dropped if unsent; sent, its
+        HTTP/2 stream is reset or its HTTP/1.1 connection closed."""
         done = self.bind().create_future()
 
         def finished(_: _Exchange) -> None:
@@ -3287,6 +3297,8 @@ class _AsyncLoop(_Engine):
                 done.set_result(None)
         exchange.on_done = finished
         self._guarded(self._arrive, exchange)
+        if len(self._arrived) >= _RUN:  # the turn comes after every task ready before it
+            self._guarded(self._begin_arrived)
         try:
             await done
         except BaseException:
@@ -3501,10 +3513,6 @@ class _Carrier:
 # Outcomes push_many may hold per message in flight, sent or waiting to be consumed: room
 # for the rest to go on while one waits out a retry's backoff, yet bounded.
 _WINDOW_PER_WORKER = 64
-# Exchanges push_many makes and starts at a time: those of a burst's first run go out (see
-# _EARLY_WRITE) while the rest are being made.
-_RUN = 32
-
 
 class _Batch:
     """One push_many: the items of its input, their exchanges, and their outcomes in order.

@@ -8304,6 +8304,23 @@ class AsyncConcurrencyTest(AsyncTestCase):
         self.assertLessEqual(self.server.handshakes, math.ceil(1000 / streams) + 1)
         self.assertEqual(sent_counts(self.server), {"t%d" % i: 1 for i in range(1000)})
 
+    async def test_pushes_arriving_together_begin_in_runs_before_the_turn(self) -> None:
+        client = self.h2_client()
+        await client.push(V1_MESSAGE)  # a connection up
+        engine = client._loop
+        waiting_at_turns: List[int] = []
+        turn = engine._turn
+
+        def counting_turn() -> Optional[float]:
+            waiting_at_turns.append(len(engine._arrived))
+            return turn()
+        engine._turn = counting_turn  # type: ignore[method-assign]
+        answers = await asyncio.gather(*[client.push(V1_MESSAGE)
+                                         for _ in range(andpush._RUN + 1)])
+        self.assertEqual({a.status_code for a in answers}, {200})
+        # The first run began as its last push arrived; the one after it, at the turn.
+        self.assertEqual(max(waiting_at_turns), 1)
+
     async def test_one_stream_a_connection_opens_the_connections_needed_at_once(
             self) -> None:
         self.server.max_concurrent_streams = 1  # read as each connection starts
