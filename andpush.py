@@ -3514,6 +3514,7 @@ class _Carrier:
 # for the rest to go on while one waits out a retry's backoff, yet bounded.
 _WINDOW_PER_WORKER = 64
 
+
 class _Batch:
     """One push_many: the items of its input, their exchanges, and their outcomes in order.
 
