@@ -445,7 +445,7 @@ class Response:
     ``ok`` is True for a 2xx status (requests counts 3xx too; andpush raises for those).
     """
 
-    __slots__ = ("status_code", "reason", "headers", "body", "_json", "_tokens")
+    __slots__ = ("status_code", "reason", "headers", "body", "_json", "_device_tokens")
 
     def __init__(self, status_code: int, reason: str, headers: Headers, body: bytes) -> None:
         self.status_code = status_code
@@ -453,7 +453,7 @@ class Response:
         self.headers = headers
         self.body = body
         self._json: Any = _UNPARSED
-        self._tokens: Tuple[str, ...] = ()
+        self._device_tokens: Tuple[str, ...] = ()  # a legacy push's, in request order
 
     @property
     def ok(self) -> bool:
@@ -499,7 +499,7 @@ class Response:
         results = answer.get("results") if isinstance(answer, dict) else None
         if not isinstance(results, list):
             return []
-        return [(t, r) for t, r in zip(self._tokens, results) if isinstance(r, dict)]
+        return [(t, r) for t, r in zip(self._device_tokens, results) if isinstance(r, dict)]
 
     def __repr__(self) -> str:
         return "<Response [%d]>" % self.status_code
@@ -614,7 +614,8 @@ class _Clock:
     """The one seam for time: every deadline, pause, pace and backoff goes through it.
 
     ``now`` is what they are measured in; ``delay`` turns a wait the policy asks for into
-    the seconds the I/O loop really waits. Tests replace both to run without sleeping.
+    the seconds the driver really waits. Each engine has one (``clock``), which the token
+    cache reads too; tests replace it to run without sleeping.
     """
 
     def now(self) -> float:
@@ -646,11 +647,12 @@ class _Exchange:
 
     ``signer`` gives the headers of each attempt (None: ``headers`` are fixed); ``paced``
     requests obey rate_limit and the 429 pause; ``on_done`` is called once, from the I/O
-    loop's thread, when ``outcome`` is set.
+    engine's thread, when ``outcome`` is set.
     """
 
     __slots__ = ("route", "method", "path", "headers", "body", "signer", "retry", "paced",
-                 "signed", "token", "resends", "outcome", "on_done", "index", "tokens",
+                 "signed", "access_token", "resends", "outcome", "on_done", "index",
+                 "device_tokens",
                  "timeout", "deadline")
 
     def __init__(self, route: "_Route", method: str, path: str, body: bytes, retry: _Retry,
@@ -665,12 +667,12 @@ class _Exchange:
         self.retry = retry
         self.paced = paced
         self.signed: Optional[Tuple[Dict[str, str], str]] = None  # headers fetched for it
-        self.token = ""                      # the access token of the last attempt
+        self.access_token = ""               # the access token of the last attempt
         self.resends = 0                     # attempts the server provably did not process
         self.outcome: Optional[Outcome] = None
         self.on_done: Callable[["_Exchange"], None] = _ignore
         self.index = 0                       # its place in a push_many
-        self.tokens: Tuple[str, ...] = ()    # the device tokens of a legacy push
+        self.device_tokens: Tuple[str, ...] = ()  # the device tokens of a legacy push
         self.timeout = 0.0                   # seconds to wait for an answer (0: the client's)
         self.deadline = 0.0
 
@@ -685,11 +687,10 @@ class _Policy:
     ``start_at`` says when an attempt may begin (the 429 pause and rate_limit); ``decide``
     says what a finished attempt means: the outcome, or the same request again after a
     wait (retries, the rejected-token refresh, resending what was not processed). Only the
-    I/O loop's thread calls it, so it needs no lock.
+    engine's thread calls it, so it needs no lock.
     """
 
-    def __init__(self, rate_limit: Optional[float], clock: _Clock) -> None:
-        self.clock = clock
+    def __init__(self, rate_limit: Optional[float]) -> None:
         self._interval = 1.0 / rate_limit if rate_limit else 0.0
         self._paused_until = 0.0
         self._pause_cause: Optional[Response] = None  # the 429 that started the pause
@@ -712,13 +713,14 @@ class _Policy:
             self._next_slot = start + self._interval
         return start
 
-    def decide(self, exchange: _Exchange, result: Union[Response, Exception]) -> Optional[float]:
-        """Act on one attempt's result: None once ``exchange.outcome`` is set, else the
-        seconds to wait before sending it again."""
+    def decide(self, exchange: _Exchange, result: Union[Response, Exception],
+               now: float) -> Optional[float]:
+        """Act on one attempt's result, at clock time ``now``: None once
+        ``exchange.outcome`` is set, else the seconds to wait before sending it again."""
         error: Error
         if isinstance(result, Response):
             if 200 <= result.status_code < 300:
-                result._tokens = exchange.tokens
+                result._device_tokens = exchange.device_tokens
                 exchange.outcome = result
                 return None
             error = _http_error(result)
@@ -735,20 +737,21 @@ class _Policy:
             error = NetworkError("the exchange failed: %s" % _reason(result),
                                  may_have_been_delivered=True)
         if isinstance(error, QuotaExceededError) and exchange.paced:
-            self._pause(_quota_wait(error), error.response)
+            self._pause(_quota_wait(error), error.response, now)
         step = exchange.retry.after(error)
         if step is None:
             exchange.outcome = error
             return None
         exchange.retry, wait = step
         if _is_rejected_token(error) and exchange.signer is not None:
-            exchange.signer.invalidate(exchange.token)
+            exchange.signer.invalidate(exchange.access_token)
         log.info("retrying in %.2f s after: %s", wait, error)
         return wait
 
-    def _pause(self, seconds: float, cause: Response) -> None:
-        """Hold every paced send of this client for ``seconds``: the project is over quota."""
-        until = self.clock.now() + seconds
+    def _pause(self, seconds: float, cause: Response, now: float) -> None:
+        """Hold every paced send of this client for ``seconds`` from ``now``: the project
+        is over quota."""
+        until = now + seconds
         if until > self._paused_until:
             log.warning("FCM answered 429 (over quota): every send waits %.3g s", seconds)
             self._paused_until, self._pause_cause = until, cause
@@ -1940,7 +1943,7 @@ def _connect(origin: _Origin, ssl_context: ssl.SSLContext,
     """A connected socket to ``origin``: TCP, the CONNECT tunnel if any, then for https
     the TLS handshake (certificate and host name checked as ``ssl_context`` says).
 
-    It blocks (for at most ``timeout`` per step), so the I/O loop runs it on a thread of
+    It blocks (for at most ``timeout`` per step), so the thread driver runs it on a thread of
     its own; raises NetworkError when it fails.
     """
     import http.client  # only for connecting: TCP and CONNECT tunnels
@@ -2171,8 +2174,8 @@ class _Route:
     push_many runs. HTTP/2 connections carry as many streams as each server allows.
     """
 
-    def __init__(self, loop: "_Engine", origin: _Origin, limit: int) -> None:
-        self.loop = loop
+    def __init__(self, engine: "_Engine", origin: _Origin, limit: int) -> None:
+        self.engine = engine
         self.origin = origin
         self.host = origin.host_header
         self.limit = limit
@@ -2218,8 +2221,8 @@ class _Engine:
     """Every request of one client, through the connections that carry them: when each
     attempt starts (the _Policy says), on which connection, and what its result means.
 
-    It does no I/O and never blocks. A driver (_Loop: a thread around a selector;
-    _AsyncLoop: an asyncio event loop) opens the connections, moves their bytes and
+    It does no I/O and never blocks. A driver (_ThreadDriver: a thread around a selector;
+    _AsyncDriver: an asyncio event loop) opens the connections, moves their bytes and
     keeps the time, calling it from one thread only: ``_received`` and ``_lost`` for what
     a connection did, ``_connected`` for a connection made, ``_turn`` when time passed.
     The engine asks the driver back through ``_open``, ``_watch``, ``_send`` and ``_shut``.
@@ -2232,6 +2235,7 @@ class _Engine:
         self._keep_alive_timeout = keep_alive_timeout
         self._proxy = proxy
         self.policy = policy
+        self.clock = _Clock()  # the one seam for time: everything timed reads this
         self._routes: List[_Route] = []
         self._batches: List["_Batch"] = []
         self._timers: List[Tuple[float, int, Callable[[_Exchange], None], _Exchange]] = []
@@ -2287,7 +2291,7 @@ class _Engine:
         connection or a caller has something)."""
         if self._arrived:
             self._begin_arrived()
-        now = self.policy.clock.now()
+        now = self.clock.now()
         self._fire_timers(now)
         self._feed_batches()
         expired = now >= self._due
@@ -2317,7 +2321,7 @@ class _Engine:
             return False
         route.connecting -= 1
         route.failed_connects = 0
-        now = self.policy.clock.now()
+        now = self.clock.now()
         link: _Link
         if h2:
             log.debug("connected to %r with HTTP/2", route)
@@ -2346,7 +2350,7 @@ class _Engine:
     def _received(self, link: _Link, data: bytes) -> bool:
         """Handle bytes from the server; False once the link wants no more for now
         (closed, or an HTTP/1.1 answer complete)."""
-        link.last_read = self.policy.clock.now()
+        link.last_read = self.clock.now()
         if isinstance(link, _H1Link):
             return self._h1_received(link, data)
         assert isinstance(link, _H2Link)
@@ -2446,7 +2450,7 @@ class _Engine:
     def _begin_all(self, exchanges: List[_Exchange]) -> None:
         """Start each exchange at the moment the policy gives it (now, or a timer). Those
         that may start now are placed together: one clock reading, one placing per route."""
-        clock = self.policy.clock
+        clock = self.clock
         now = clock.now()
         start_at = self.policy.start_at
         routes: List[_Route] = []
@@ -2467,7 +2471,7 @@ class _Engine:
     def _after(self, seconds: float, then: Callable[[_Exchange], None],
                exchange: _Exchange) -> None:
         self._timer_seq += 1
-        due = self.policy.clock.now() + seconds
+        due = self.clock.now() + seconds
         heapq.heappush(self._timers, (due, self._timer_seq, then, exchange))
 
     def _fire_timers(self, now: float) -> None:
@@ -2485,7 +2489,7 @@ class _Engine:
         waiting = route.waiting
         if not waiting:
             return
-        now = self.policy.clock.now()
+        now = self.clock.now()
         while waiting:
             link, room = self._link_for(route, now)
             if link is None:
@@ -2556,7 +2560,7 @@ class _Engine:
         if route.connections():
             if not route.hold_until:  # one round of failures, however many connects
                 route.failed_connects += 1
-                clock = self.policy.clock
+                clock = self.clock
                 seconds = clock.delay(min(_CONNECT_BACKOFF * 2 ** (route.failed_connects - 1),
                                           _MAX_CONNECT_BACKOFF))
                 route.hold_until = clock.now() + seconds
@@ -2584,7 +2588,7 @@ class _Engine:
                 self._refreshing.append(signer)
                 self._fetch_token(signer)
             return None
-        headers, exchange.token = signed
+        headers, exchange.access_token = signed
         return headers
 
     def _fetch_token(self, signer: _Signer) -> None:
@@ -2663,7 +2667,7 @@ class _Engine:
             del link.route.busy[link]
             link.route.idle.append(link)
             link.reused = True
-            link.idle_since = self.policy.clock.now()
+            link.idle_since = self.clock.now()
             self._soon(link.idle_since + self._keep_alive_timeout)
         else:
             self._drop(link)
@@ -2692,7 +2696,7 @@ class _Engine:
         if conn.state == "CLOSED" or (conn.state == "GOING_AWAY" and not conn.streams):
             self._drop(link)
         elif not conn.streams:
-            link.idle_since = self.policy.clock.now()
+            link.idle_since = self.clock.now()
             self._soon(link.idle_since + self._keep_alive_timeout)
         self._place(link.route)
 
@@ -2722,13 +2726,13 @@ class _Engine:
 
     def _settle(self, exchange: _Exchange, result: Union[Response, Exception]) -> None:
         """Hand an attempt's result to the policy, and do what it says."""
-        wait = self.policy.decide(exchange, result)
+        wait = self.policy.decide(exchange, result, self.clock.now())
         if wait is None:
             exchange.on_done(exchange)
         elif isinstance(result, _NotProcessed):
             exchange.route.waiting.appendleft(exchange)  # its turn again, before the rest
         else:
-            self._after(self.policy.clock.delay(wait), self._begin, exchange)
+            self._after(self.clock.delay(wait), self._begin, exchange)
 
     # Deadlines ----------------------------------------------------------------------
 
@@ -2842,11 +2846,11 @@ class _Engine:
         self._batches, self._dirty = [], []
 
 
-class _Loop(_Engine):
+class _ThreadDriver(_Engine):
     """The engine's thread driver: a selector over non-blocking sockets, run by one
     thread at a time, and only while there is work.
 
-    A thread waiting in ``run`` runs the loop itself when no other thread does (so a push
+    A thread waiting in ``run`` runs the driver itself when no other thread does (so a push
     made alone crosses no thread), until its own exchange ends; other threads hand their
     exchanges to whoever runs it. If work is left when that caller's exchange ends (others'
     requests, a push_many), a background I/O thread takes over until none is left. Idle
@@ -2864,7 +2868,7 @@ class _Loop(_Engine):
         self._lock = threading.Lock()
         self._runner_left = threading.Condition(self._lock)
         self._inbox: List[Callable[[], None]] = []
-        self._thread: Optional[threading.Thread] = None  # the thread running the loop now
+        self._thread: Optional[threading.Thread] = None  # the thread running the driver now
         self._pid = os.getpid()
         self._closed = False
         self._selector: Optional[selectors.BaseSelector] = None  # while connections are open
@@ -2874,13 +2878,9 @@ class _Loop(_Engine):
 
     # Any thread -------------------------------------------------------------------
 
-    def submit(self, exchanges: List[_Exchange]) -> None:
-        """Start ``exchanges``; each one's ``on_done`` is called when it has its outcome."""
-        self._post(lambda: self._begin_all(exchanges))
-
     def run(self, exchange: _Exchange) -> Outcome:
-        """Start ``exchange`` and wait for its outcome, running the loop meanwhile if no
-        other thread does (every wait in the loop has a deadline)."""
+        """Start ``exchange`` and wait for its outcome, running the driver meanwhile if no
+        other thread does (every wait in the driver has a deadline)."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("andpush's I/O thread cannot wait for itself")
         done = threading.Lock()
@@ -2926,7 +2926,7 @@ class _Loop(_Engine):
                 self._park()
 
     def _post(self, work: Callable[[], None], lead: bool = False) -> bool:
-        """Hand ``work`` to the thread running the loop; with none running, the caller
+        """Hand ``work`` to the thread running the driver; with none running, the caller
         becomes it if it may ``lead`` (and True is returned), else a new thread does."""
         forked = self._in_a_forked_child()
         with self._lock:
@@ -2934,7 +2934,7 @@ class _Loop(_Engine):
                 raise ValueError("the client is closed; create a new one")
             if forked:
                 self._forked()
-            woken = bool(self._inbox)  # the loop was woken for what waits there already
+            woken = bool(self._inbox)  # the driver was woken for what waits there already
             self._inbox.append(work)
             if self._thread is None:
                 self._take_over(lead)
@@ -2944,7 +2944,7 @@ class _Loop(_Engine):
         return False
 
     def _in_a_forked_child(self) -> bool:
-        """Whether this process is a fork of the one the loop ran in; if so, the lock is
+        """Whether this process is a fork of the one the driver ran in; if so, the lock is
         new (the parent's thread may have held it at the fork), and _forked is due."""
         if self._pid == os.getpid():
             return False
@@ -2953,7 +2953,7 @@ class _Loop(_Engine):
         return True
 
     def _take_over(self, lead: bool) -> None:
-        """Make the caller (``lead``) or a new thread the one running the loop (the lock
+        """Make the caller (``lead``) or a new thread the one running the driver (the lock
         is held); the selector and its wake pair are made if they are not there."""
         if self._selector is None:
             self._wake_r, self._wake_w = socket.socketpair()
@@ -2968,7 +2968,7 @@ class _Loop(_Engine):
             self._thread.start()
 
     def _park(self) -> None:
-        """The running thread leaves the loop (the lock is held): idle connections stay
+        """The running thread leaves the driver (the lock is held): idle connections stay
         open for the next request; with none open, the selector goes too."""
         self._thread = None
         self._runner_left.notify_all()
@@ -2998,11 +2998,11 @@ class _Loop(_Engine):
         self._thread = None
         self._pid = os.getpid()
 
-    # The thread running the loop ----------------------------------------------------
+    # The thread running the driver ----------------------------------------------------
 
     def _lead(self, exchange: _Exchange) -> None:
-        """Run the loop on the caller's thread until its exchange ends; then hand what
-        is left to a background thread, or leave the loop parked."""
+        """Run the driver on the caller's thread until its exchange ends; then hand what
+        is left to a background thread, or leave the driver parked."""
         try:
             self._poll()
             while exchange.outcome is None and self._step(exchange):
@@ -3019,11 +3019,11 @@ class _Loop(_Engine):
         self._leave()
 
     def _leave(self) -> None:
-        """The caller stops running the loop: a background thread takes over what is left
-        (the push that stopped waiting included), or the loop parks."""
+        """The caller stops running the driver: a background thread takes over what is left
+        (the push that stopped waiting included), or the driver parks."""
         with self._lock:
             if self._thread is not threading.current_thread():
-                return  # the loop parked in its last step (closed)
+                return  # the driver parked in its last step (closed)
             if self._inbox or self._has_work():
                 self._thread = threading.Thread(target=self._run, name="andpush-io",
                                                 daemon=True)
@@ -3040,22 +3040,22 @@ class _Loop(_Engine):
             self._crashed(exc)
 
     def _crashed(self, exc: BaseException) -> None:
-        log.exception("andpush's I/O loop failed; its requests end with NetworkError")
-        self._abandon("andpush's I/O loop failed: %s" % _reason(exc))
+        log.exception("andpush's engine failed; its requests end with NetworkError")
+        self._abandon("andpush's engine failed: %s" % _reason(exc))
         with self._lock:
             self._park()
             if self._inbox and not self._closed:
                 self._take_over(lead=False)  # what came meanwhile goes to a new thread
 
     def _poll(self) -> None:
-        """Handle what the connections received while no thread ran the loop."""
+        """Handle what the connections received while no thread ran the driver."""
         assert self._selector is not None
         self._dispatch(self._selector.select(0))
 
     def _step(self, mine: Optional[_Exchange] = None) -> bool:
         """One turn: take new work, do what is due, wait for the sockets, read and write.
-        False when the loop parks (closed, or nothing left but idle connections). A
-        caller running the loop for ``mine`` does not wait once it has ended."""
+        False when the driver parks (closed, or nothing left but idle connections). A
+        caller running the driver for ``mine`` does not wait once it has ended."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
             closed = self._closed
@@ -3101,7 +3101,7 @@ class _Loop(_Engine):
 
     def _connects_failed(self, route: _Route, error: NetworkError, generation: int,
                          count: int) -> None:
-        """Tell the loop, from a connect thread, that ``count`` connections failed."""
+        """Tell the driver, from a connect thread, that ``count`` connections failed."""
         def failed() -> None:
             for _ in range(count):
                 self._connect_failed(route, error, generation)
@@ -3109,11 +3109,11 @@ class _Loop(_Engine):
             self._post(failed)
 
     def _connect(self, route: _Route, count: int, generation: int) -> None:
-        """On a thread of its own: connect, then hand the socket (or the error) to the loop.
+        """On a thread of its own: connect, then hand the socket (or the error) to the driver.
 
         Of the ``count`` connections asked for, the others go to at most two threads this
         one starts first, each with half of them: starting a thread takes its starter a
-        millisecond or more while others hold the GIL, so the loop starts one, and the
+        millisecond or more while others hold the GIL, so the driver starts one, and the
         last of 200 connections begins after eight starts, not 200."""
         rest = count - 1
         for share in (rest - rest // 2, rest // 2):
@@ -3141,7 +3141,7 @@ class _Loop(_Engine):
             sock.close()
 
     def _sel(self) -> selectors.BaseSelector:
-        """The selector, which is there while a thread runs the loop."""
+        """The selector, which is there while a thread runs the driver."""
         assert self._selector is not None
         return self._selector
 
@@ -3248,7 +3248,7 @@ def _resolve(waiter: Optional["asyncio.Future[None]"]) -> None:
 _CLOSE_GRACE = 0.25  # seconds aclose() waits for the connections it cut to be gone
 
 
-class _AsyncLoop(_Engine):
+class _AsyncDriver(_Engine):
     """The engine's asyncio driver: no threads, every connection an asyncio transport.
 
     It belongs to the event loop it is first used on. Each callback (bytes, a
@@ -3262,7 +3262,7 @@ class _AsyncLoop(_Engine):
                  policy: _Policy) -> None:
         super().__init__(connect_timeout, read_timeout, keep_alive_timeout, proxy, policy)
         self._ssl_context = ssl_context
-        self._loop: Optional["asyncio.AbstractEventLoop"] = None
+        self._event_loop: Optional["asyncio.AbstractEventLoop"] = None
         self._turn_due = False
         self._timer: Optional["asyncio.TimerHandle"] = None
         self._connecting: Set["asyncio.Task[None]"] = set()
@@ -3276,9 +3276,9 @@ class _AsyncLoop(_Engine):
         loop = asyncio.get_running_loop()
         if self._closed:
             raise ValueError("the client is closed; create a new one")
-        if self._loop is None:
-            self._loop = loop
-        elif loop is not self._loop:
+        if self._event_loop is None:
+            self._event_loop = loop
+        elif loop is not self._event_loop:
             raise RuntimeError(
                 "this andpush.AsyncClient belongs to the event loop it was first used on; "
                 "create one client per event loop"
@@ -3312,7 +3312,7 @@ class _AsyncLoop(_Engine):
         self._guarded(self._add_batch, batch)
 
     def wake(self) -> None:
-        loop = self._loop
+        loop = self._event_loop
         if not (self._turn_due or loop is None or self._closed or loop.is_closed()):
             self._turn_due = True
             loop.call_soon(self._take_turn)
@@ -3340,8 +3340,8 @@ class _AsyncLoop(_Engine):
         try:
             work(*args)
         except Exception as exc:
-            log.exception("andpush's I/O loop failed; its requests end with NetworkError")
-            self._abandon("andpush's I/O loop failed: %s" % _reason(exc))
+            log.exception("andpush's engine failed; its requests end with NetworkError")
+            self._abandon("andpush's engine failed: %s" % _reason(exc))
         self.wake()
 
     def _take_turn(self) -> None:
@@ -3352,18 +3352,18 @@ class _AsyncLoop(_Engine):
         try:
             timeout = self._turn()
         except Exception as exc:
-            log.exception("andpush's I/O loop failed; its requests end with NetworkError")
-            self._abandon("andpush's I/O loop failed: %s" % _reason(exc))
+            log.exception("andpush's engine failed; its requests end with NetworkError")
+            self._abandon("andpush's engine failed: %s" % _reason(exc))
             return
-        if timeout is not None and self._loop is not None:
-            self._timer = self._loop.call_later(timeout, self.wake)
+        if timeout is not None and self._event_loop is not None:
+            self._timer = self._event_loop.call_later(timeout, self.wake)
 
     # Connections ------------------------------------------------------------------
 
     def _open(self, route: _Route, count: int) -> None:
-        assert self._loop is not None
+        assert self._event_loop is not None
         for _ in range(count):
-            task = self._loop.create_task(self._connect(route, route.generation))
+            task = self._event_loop.create_task(self._connect(route, route.generation))
             self._connecting.add(task)
             task.add_done_callback(self._connecting.discard)
 
@@ -3391,21 +3391,21 @@ class _AsyncLoop(_Engine):
 
     async def _open_carrier(self, origin: _Origin) -> "_Carrier":
         """A connection to ``origin``: TCP, the CONNECT tunnel if any, TLS for https."""
-        assert self._loop is not None
+        assert self._event_loop is not None
         carrier = _Carrier(self)
         protocol = cast("asyncio.Protocol", carrier)  # a protocol by its methods
         context = self._ssl_context if origin.scheme == "https" else None
         try:
             if origin.proxy is None:
-                await self._loop.create_connection(
+                await self._event_loop.create_connection(
                     lambda: protocol, origin.host, origin.port, ssl=context,
                     server_hostname=origin.host if context else None)
                 return carrier
             proxy_host, proxy_port, proxy_headers = origin.proxy
-            await self._loop.create_connection(lambda: protocol, proxy_host, proxy_port)
+            await self._event_loop.create_connection(lambda: protocol, proxy_host, proxy_port)
             await carrier.tunnel(origin, proxy_headers)
             if context is not None:
-                carrier.transport = await self._loop.start_tls(
+                carrier.transport = await self._event_loop.start_tls(
                     carrier.transport, protocol, context, server_hostname=origin.host)
             return carrier
         except BaseException:
@@ -3433,7 +3433,7 @@ class _Carrier:
     """One asyncio connection's protocol: it hands what arrives to the engine. (asyncio
     takes any object with a protocol's methods, so this one needs no import of it.)"""
 
-    def __init__(self, engine: _AsyncLoop) -> None:
+    def __init__(self, engine: _AsyncDriver) -> None:
         self._engine = engine
         self.transport: Any = None
         self._link: Optional[_Link] = None
@@ -3454,8 +3454,8 @@ class _Carrier:
 
     async def tunnel(self, origin: _Origin, headers: Dict[str, str]) -> None:
         """Ask the proxy for a tunnel to ``origin``; _ProtocolError if it refuses."""
-        assert self._engine._loop is not None
-        self._head = self._engine._loop.create_future()
+        assert self._engine._event_loop is not None
+        self._head = self._engine._event_loop.create_future()
         lines = ["CONNECT %s:%d HTTP/1.1" % (origin.host, origin.port),
                  "Host: %s:%d" % (origin.host, origin.port)]
         lines += ["%s: %s" % item for item in headers.items()]
@@ -3610,7 +3610,7 @@ class _Batch:
                 self._prepared.append(index)
             wake, self._engine_waits = self._engine_waits, False
         if wake:
-            self.route.loop.wake()
+            self.route.engine.wake()
         return True
 
     def _end_of_input(self, error: Optional[BaseException]) -> None:
@@ -3619,7 +3619,7 @@ class _Batch:
                 self._reading, self._error = False, error
                 self._pair_ready()
                 self._room_made()
-        self.route.loop.wake()
+        self.route.engine.wake()
 
     # The engine -----------------------------------------------------------------------
 
@@ -3791,7 +3791,7 @@ class _Batch:
             self._pair_ready()
             self._room_made()
         with contextlib.suppress(ValueError):
-            self.route.loop.wake()
+            self.route.engine.wake()
 
     def discard(self) -> None:
         """The consumer is gone: read no more, and start nothing more."""
@@ -3800,7 +3800,7 @@ class _Batch:
             self._pair_ready()
             self._room_made()
         with contextlib.suppress(ValueError):
-            self.route.loop.wake()
+            self.route.engine.wake()
 
 
 class _ThreadBatch(_Batch):
@@ -4248,9 +4248,9 @@ def _wait_for(exchange: _Exchange) -> Outcome:
     Only the threaded client's blocking calls need it (the command line's ``token``, a
     project id from the metadata server); the engine runs token requests itself.
     """
-    loop = exchange.route.loop
-    assert isinstance(loop, _Loop), "the asyncio client never waits"
-    return loop.run(exchange)
+    driver = exchange.route.engine
+    assert isinstance(driver, _ThreadDriver), "the asyncio client never waits"
+    return driver.run(exchange)
 
 
 class _Credentials:
@@ -4294,9 +4294,9 @@ class _Credentials:
 class _TokenGrant(_Credentials):
     """Credentials that trade a form POST to an OAuth2 token endpoint for a token."""
 
-    def __init__(self, token_uri: str, loop: _Engine) -> None:
+    def __init__(self, token_uri: str, engine: _Engine) -> None:
         origin, self._token_path = _split_url(token_uri, "token_uri")
-        self._route = loop.route(origin)
+        self._route = engine.route(origin)
 
     def token_request(self) -> _Exchange:
         body = urllib.parse.urlencode(self._grant()).encode("ascii")
@@ -4313,7 +4313,7 @@ class _TokenGrant(_Credentials):
 class _ServiceAccount(_TokenGrant):
     """A service account key file: sign a JWT with its private key (RFC 7523 grant)."""
 
-    def __init__(self, info: Dict[str, Any], loop: _Engine) -> None:
+    def __init__(self, info: Dict[str, Any], engine: _Engine) -> None:
         self._email = _field(info, "client_email")
         self._key_id = info.get("private_key_id")
         try:
@@ -4322,7 +4322,7 @@ class _ServiceAccount(_TokenGrant):
             raise AuthError("service account key: %s" % exc) from None
         self._token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
         self.project_id = info.get("project_id") or None
-        super().__init__(self._token_uri, loop)
+        super().__init__(self._token_uri, engine)
 
     def _grant(self) -> Dict[str, str]:
         return {
@@ -4345,7 +4345,7 @@ class _ServiceAccount(_TokenGrant):
 class _AuthorizedUser(_TokenGrant):
     """gcloud's user credentials: trade the refresh token for an access token."""
 
-    def __init__(self, info: Dict[str, Any], loop: _Engine) -> None:
+    def __init__(self, info: Dict[str, Any], engine: _Engine) -> None:
         self._grant_fields = {
             "grant_type": "refresh_token",
             "client_id": _field(info, "client_id"),
@@ -4353,7 +4353,7 @@ class _AuthorizedUser(_TokenGrant):
             "refresh_token": _field(info, "refresh_token"),
         }
         self.project_id = info.get("quota_project_id") or None
-        super().__init__(str(info.get("token_uri") or _GOOGLE_TOKEN_URI), loop)
+        super().__init__(str(info.get("token_uri") or _GOOGLE_TOKEN_URI), engine)
 
     def _grant(self) -> Dict[str, str]:
         return self._grant_fields
@@ -4366,9 +4366,9 @@ class _MetadataServer(_Credentials):
     _TOKEN_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
     _PROJECT_PATH = "/computeMetadata/v1/project/project-id"
 
-    def __init__(self, host: str, tried: List[str], loop: _Engine) -> None:
+    def __init__(self, host: str, tried: List[str], engine: _Engine) -> None:
         self._tried = tried + ["the metadata server at %s" % host]
-        self._route = loop.route("http://" + host)
+        self._route = engine.route("http://" + host)
 
     def token_request(self) -> _Exchange:
         return _token_exchange(self._route, "GET", self._TOKEN_PATH, self._HEADERS, b"")
@@ -4504,9 +4504,9 @@ class _TokenCache:
     so that a push_many over broken credentials does not ask once per message.
     """
 
-    def __init__(self, credentials: _Credentials, clock: _Clock) -> None:
+    def __init__(self, credentials: _Credentials, engine: _Engine) -> None:
         self.credentials = credentials
-        self._clock = clock
+        self._engine = engine  # whose clock times the token's life
         self._lock = threading.Lock()
         self._token: Optional[str] = None
         self._expires = 0.0
@@ -4516,11 +4516,11 @@ class _TokenCache:
 
     def get(self) -> str:
         token = self._token
-        if token is not None and self._clock.now() < self._expires:
+        if token is not None and self._engine.clock.now() < self._expires:
             return token
         generation = self._generation
         with self._lock:
-            fresh = self._generation != generation or self._clock.now() < self._error_until
+            fresh = self._generation != generation or self._engine.clock.now() < self._error_until
             if fresh and self._error is not None:
                 raise self._error
             if self._generation != generation and self._token is not None:
@@ -4534,9 +4534,9 @@ class _TokenCache:
         None when it must be fetched (``get``); the failure of the last second is raised.
         """
         token = self._token
-        if token is not None and self._clock.now() < self._expires:
+        if token is not None and self._engine.clock.now() < self._expires:
             return token
-        if self._error is not None and self._clock.now() < self._error_until:
+        if self._error is not None and self._engine.clock.now() < self._error_until:
             raise self._error
         return None if self.credentials.fetch_blocks else self.get()
 
@@ -4553,7 +4553,7 @@ class _TokenCache:
             token, lifetime = self.credentials.token_from(outcome)
         except Error as exc:
             self._token, self._error = None, exc
-            self._error_until = self._clock.now() + _TOKEN_FAILURE_HOLD
+            self._error_until = self._engine.clock.now() + _TOKEN_FAILURE_HOLD
             raise
         finally:
             self._generation += 1
@@ -4561,13 +4561,13 @@ class _TokenCache:
         self._token = token
         self._expires = (
             math.inf if lifetime is None
-            else self._clock.now() + max(0.0, lifetime - _TOKEN_REFRESH_MARGIN)
+            else self._engine.clock.now() + max(0.0, lifetime - _TOKEN_REFRESH_MARGIN)
         )
         log.debug("got a new access token (lifetime %s s)", lifetime)
         return token
 
 
-def _load_credentials(source: object, loop: _Engine) -> _Credentials:
+def _load_credentials(source: object, engine: _Engine) -> _Credentials:
     """Credentials from a key file path, a dict, or a JSON string."""
     if isinstance(source, dict):
         info = source
@@ -4579,9 +4579,9 @@ def _load_credentials(source: object, loop: _Engine) -> _Credentials:
         )
     kind = info.get("type")
     if kind == "service_account":
-        return _ServiceAccount(info, loop)
+        return _ServiceAccount(info, engine)
     if kind == "authorized_user":
-        return _AuthorizedUser(info, loop)
+        return _AuthorizedUser(info, engine)
     raise AuthError(
         "credentials of type %r are not supported; use a service account key file "
         "or gcloud's application default credentials" % (kind,)
@@ -4607,18 +4607,18 @@ def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, 
     return info
 
 
-def _application_default_credentials(loop: _Engine) -> _Credentials:
+def _application_default_credentials(engine: _Engine) -> _Credentials:
     """Application Default Credentials, looked up in the order Google's libraries use."""
     path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     if path:
-        return _load_credentials(path, loop)
+        return _load_credentials(path, engine)
     tried = ["GOOGLE_APPLICATION_CREDENTIALS (not set)"]
     gcloud = os.path.join(_gcloud_config_dir(), "application_default_credentials.json")
     if os.path.exists(gcloud):
-        return _load_credentials(gcloud, loop)
+        return _load_credentials(gcloud, engine)
     tried.append("%s (not found)" % gcloud)
     host = os.environ.get("GCE_METADATA_HOST") or _METADATA_HOST
-    return _MetadataServer(host, tried, loop)
+    return _MetadataServer(host, tried, engine)
 
 
 def _gcloud_config_dir() -> str:
@@ -4961,8 +4961,8 @@ class _V1API:
     fixed_headers: Dict[str, str] = {}  # the access token's come from the signer
 
     def __init__(self, credentials: _Credentials, project_id: Optional[str],
-                 clock: _Clock) -> None:
-        self._tokens = _TokenCache(credentials, clock)
+                 engine: _Engine) -> None:
+        self._tokens = _TokenCache(credentials, engine)
         self._project_id = project_id
         self._project_path = ""
         self.refreshable = credentials.refreshable
@@ -5062,7 +5062,7 @@ class _Requests:
         path, body, tokens = self.api.prepare(message, validate_only)
         exchange = _Exchange(self.route, "POST", path, body, self._retry,
                              signer=self.api.signer, headers=self.api.fixed_headers, paced=True)
-        exchange.tokens = tokens
+        exchange.device_tokens = tokens
         return exchange
 
     def push(self, message: object, validate_only: bool, timeout: Optional[float]) -> _Exchange:
@@ -5128,10 +5128,10 @@ class Client:
     ``with``) when done. In a forked child it opens connections of its own.
     """
 
-    def __init__(self, api: Union[_LegacyAPI, _V1API], loop: _Loop, route: _Route,
+    def __init__(self, api: Union[_LegacyAPI, _V1API], driver: _ThreadDriver, route: _Route,
                  retry: _Retry) -> None:
         self._requests = _Requests(api, route, retry)
-        self._loop = loop
+        self._driver = driver
 
     def push(self, message: Dict[str, Any], *, validate_only: bool = False,
              timeout: Optional[float] = None) -> Response:
@@ -5142,7 +5142,7 @@ class Client:
         for this call. With the legacy API a 200 whose results hold per-token errors is a
         success: see ``Response.errors`` and ``Response.canonical_tokens``.
         """
-        outcome = self._loop.run(self._requests.push(message, validate_only, timeout))
+        outcome = self._driver.run(self._requests.push(message, validate_only, timeout))
         if isinstance(outcome, Response):
             return outcome
         raise outcome
@@ -5166,7 +5166,7 @@ class Client:
         stops reading and returns the pairs not yet yielded, after every message already
         read has been sent and answered (each within the request timeout); ``stop()``
         stops reading and lets the iteration go on to the last of them. After an
-        exception in the loop (Ctrl-C too), either still gives the rest. Dropping the
+        exception in the caller's for loop (Ctrl-C too), either still gives the rest. Dropping the
         iterator stops reading and starts nothing more, without waiting.
 
         Over HTTP/2 the messages share the client's connections, up to each server's
@@ -5203,7 +5203,7 @@ class Client:
 
     def close(self) -> None:
         """Close the connections; the client cannot send afterwards."""
-        self._loop.close()
+        self._driver.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -5228,7 +5228,7 @@ class Client:
         progress: Optional[Callable[[int, int], None]],
     ) -> "_Outcomes":
         batch = _ThreadBatch(items, make, self._requests.route, concurrency, progress)
-        self._loop.add_batch(batch)
+        self._driver.add_batch(batch)
         threading.Thread(target=batch.feed, name="andpush-push_many", daemon=True).start()
         return _Outcomes(batch)
 
@@ -5286,10 +5286,10 @@ class AsyncClient:
     that was already sent may have been delivered.
     """
 
-    def __init__(self, api: Union[_LegacyAPI, _V1API], loop: _AsyncLoop, route: _Route,
+    def __init__(self, api: Union[_LegacyAPI, _V1API], driver: _AsyncDriver, route: _Route,
                  retry: _Retry) -> None:
         self._requests = _Requests(api, route, retry)
-        self._loop = loop
+        self._driver = driver
         self._project_lock: Optional["asyncio.Lock"] = None
 
     async def push(self, message: Dict[str, Any], *, validate_only: bool = False,
@@ -5300,7 +5300,7 @@ class AsyncClient:
         if not self._knows_project():
             await self._find_project()
         exchange = self._requests.push(message, validate_only, timeout)
-        outcome = await self._loop.run(exchange)
+        outcome = await self._driver.run(exchange)
         if isinstance(outcome, Response):
             return outcome
         raise outcome
@@ -5349,7 +5349,7 @@ class AsyncClient:
     async def aclose(self) -> None:
         """Close the connections; requests under way end with a NetworkError, and the
         client cannot send afterwards."""
-        await self._loop.close()
+        await self._driver.close()
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -5369,7 +5369,7 @@ class AsyncClient:
         when nothing given names it (the threaded client asks it in project_path)."""
         import asyncio
 
-        self._loop.bind()
+        self._driver.bind()
         if self._project_lock is None:
             self._project_lock = asyncio.Lock()
         async with self._project_lock:
@@ -5377,7 +5377,7 @@ class AsyncClient:
             request = api.project_request() if isinstance(api, _V1API) else None
             if request is not None:
                 assert isinstance(api, _V1API)
-                api.project_answered(await self._loop.run(request))
+                api.project_answered(await self._driver.run(request))
 
     async def _manage_topic(self, method: str, tokens: Iterable[str],
                             topic: str) -> List[Outcome]:
@@ -5395,11 +5395,11 @@ class AsyncClient:
         concurrency: int,
         progress: Optional[Callable[[int, int], None]],
     ) -> "_AsyncOutcomes":
-        loop = self._loop.bind()
+        event_loop = self._driver.bind()
         batch = _AsyncBatch(items, make, self._requests.route, concurrency, progress,
                             self._find_project)
-        self._loop.add_batch(batch)
-        batch.start(loop)
+        self._driver.add_batch(batch)
+        batch.start(event_loop)
         return _AsyncOutcomes(batch)
 
 
@@ -5464,8 +5464,8 @@ def new(
     client offers HTTP/2 by ALPN (on ``ssl_context`` too) and multiplexes every request
     over few connections when the server accepts; ``http2=False`` keeps to HTTP/1.1.
     """
-    loop, api, route, retry = _setup(_Loop, dict(locals()))
-    return Client(api, loop, route, retry)
+    driver, api, route, retry = _setup(_ThreadDriver, dict(locals()))
+    return Client(api, driver, route, retry)
 
 build = new
 
@@ -5489,11 +5489,11 @@ def new_async(
 ) -> AsyncClient:
     """Create an asyncio client, with exactly the options of ``new``. It may be made
     outside the event loop; it belongs to the loop it is first used on."""
-    loop, api, route, retry = _setup(_AsyncLoop, dict(locals()))
-    return AsyncClient(api, loop, route, retry)
+    driver, api, route, retry = _setup(_AsyncDriver, dict(locals()))
+    return AsyncClient(api, driver, route, retry)
 
 
-_Driver = TypeVar("_Driver", _Loop, _AsyncLoop)
+_Driver = TypeVar("_Driver", _ThreadDriver, _AsyncDriver)
 
 
 def _setup(
@@ -5516,13 +5516,13 @@ def _setup(
     context = ssl_context or ssl.create_default_context()
     if options["http2"]:
         context.set_alpn_protocols(["h2", "http/1.1"])
-    loop = driver(context, connect_timeout, read_timeout, options["keep_alive_timeout"],
-                  options["proxy"], _Policy(options["rate_limit"], _Clock()))
+    engine = driver(context, connect_timeout, read_timeout, options["keep_alive_timeout"],
+                  options["proxy"], _Policy(options["rate_limit"]))
     api = _api(options["server_key"], options["credentials"], options["project_id"],
-               options["access_token"], loop)
+               options["access_token"], engine)
     retry = _Retry(options["max_retries"], options["backoff_factor"],
                    may_refresh=api.refreshable)
-    return loop, api, loop.route(endpoint, options["pool_size"]), retry
+    return engine, api, engine.route(endpoint, options["pool_size"]), retry
 
 
 def _api(
@@ -5530,7 +5530,7 @@ def _api(
     credentials: object,
     project_id: Optional[str],
     access_token: Union[None, str, Callable[[], str]],
-    loop: _Engine,
+    engine: _Engine,
 ) -> Union[_LegacyAPI, _V1API]:
     """The API the options select, with its credentials loaded."""
     if project_id is not None and (not isinstance(project_id, str) or not project_id):
@@ -5546,10 +5546,10 @@ def _api(
             raise TypeError("access_token must be a str or a callable returning one")
         if project_id is None:
             raise ValueError("access_token needs project_id= as well")
-        return _V1API(_StaticToken(access_token, project_id), project_id, loop.policy.clock)
+        return _V1API(_StaticToken(access_token, project_id), project_id, engine)
     if credentials is not None:
-        return _V1API(_load_credentials(credentials, loop), project_id, loop.policy.clock)
-    return _V1API(_application_default_credentials(loop), project_id, loop.policy.clock)
+        return _V1API(_load_credentials(credentials, engine), project_id, engine)
+    return _V1API(_application_default_credentials(engine), project_id, engine)
 
 
 def _check_server_key(server_key: object) -> str:

@@ -1136,7 +1136,7 @@ def settles(client: Any) -> bool:
     """Wait until the client (or AsyncClient) holds no request: none waiting, due or in
     flight, and no push_many that could start more; after that nothing more goes out.
     False if it still holds one after the wait."""
-    return wait_until(lambda: not client._loop._has_work())
+    return wait_until(lambda: not client._driver._has_work())
 
 
 class ServerTestCase(unittest.TestCase):
@@ -1351,7 +1351,7 @@ class ErrorCopyTest(unittest.TestCase):
 
     def test_a_response_pickles_as_plain_data_and_parses_its_json_again(self) -> None:
         original = response(200, {"results": [{"error": "NotRegistered"}]}, x_id="1")
-        original._tokens = ("device-a",)
+        original._device_tokens = ("device-a",)
         self.assertEqual(original.errors, {"device-a": "NotRegistered"})  # parsed once here
         copied = pickle.loads(pickle.dumps(original))
         self.assertEqual(copied.json(), original.json())
@@ -1635,13 +1635,13 @@ class ServerClosesConnectionTest(ServerTestCase):
         client.push(LEGACY_MESSAGE)
         client.push(LEGACY_MESSAGE)  # answered, then the server closes
         self.assertTrue(wait_until(lambda: self.server.open_connections == 0))
-        read = andpush._Loop._read
+        read = andpush._ThreadDriver._read
 
-        def blind_to_idle_links(loop: andpush._Loop, link: andpush._Link) -> None:
+        def blind_to_idle_links(driver: andpush._ThreadDriver, link: andpush._Link) -> None:
             if not isinstance(link, andpush._H1Link) or link.exchange is not None:
-                read(loop, link)
+                read(driver, link)
 
-        with unittest.mock.patch.object(andpush._Loop, "_read", blind_to_idle_links):
+        with unittest.mock.patch.object(andpush._ThreadDriver, "_read", blind_to_idle_links):
             client.push(LEGACY_MESSAGE)
         self.assertEqual((self.server.processed, self.server.handshakes), (3, 2))
 
@@ -4594,7 +4594,7 @@ class FakeClock:
     @classmethod
     def install(cls, client: andpush.Client) -> "FakeClock":
         clock = cls()
-        client._loop.policy.clock = clock
+        client._driver.clock = clock
         return clock
 
 
@@ -7109,7 +7109,7 @@ class EngineTest(HTTP2TestCase):
                 [{"token": "t%d" % i} for i in range(10)], concurrency=5)]
         self.assertTrue(refused)
         self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
-        route = client._loop._routes[0]
+        route = client._driver._routes[0]
         self.assertTrue(wait_until(lambda: route.connecting == 0))  # none counted for ever
         self.assertEqual(client.push(V1_MESSAGE).status_code, 200)
         self.assertEqual(len(list(client.push_many([V1_MESSAGE] * 4, concurrency=4))), 4)
@@ -7153,7 +7153,7 @@ class EngineTest(HTTP2TestCase):
             self) -> None:
         client = self.h2_client(keep_alive_timeout=0.02)
         client.push(V1_MESSAGE)
-        self.assertIsNone(client._loop._thread)  # the caller ran the loop, and left it
+        self.assertIsNone(client._driver._thread)  # the caller ran the loop, and left it
         self.assertNotIn("andpush-io", [t.name for t in threading.enumerate()])
         client.push(V1_MESSAGE)  # within keep_alive_timeout: the same connection
         time.sleep(0.06)
@@ -7424,7 +7424,7 @@ class HTTP2Test(HTTP2TestCase):
 
     def test_rate_limit_holds_over_http2(self) -> None:
         client = self.h2_client(rate_limit=200)
-        policy = client._loop.policy
+        policy = client._driver.policy
         reserve = unittest.mock.Mock(wraps=policy.start_at)
         policy.start_at = reserve  # type: ignore[method-assign]
         started = time.monotonic()
@@ -7832,11 +7832,11 @@ class AsyncClientInThread:
     Client: an event loop runs on a thread of its own, and each call runs the AsyncClient's
     own coroutine (or method) there while the test's thread waits for it.
 
-    ``_loop`` is the AsyncClient's engine, so that FakeClock.install works on it too."""
+    ``_driver`` is the AsyncClient's engine, so that FakeClock.install works on it too."""
 
     def __init__(self, client: andpush.AsyncClient) -> None:
         self.client = client
-        self._loop = client._loop
+        self._driver = client._driver
         self.event_loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.event_loop.run_forever,
                                         name="andpush-test-event-loop", daemon=True)
@@ -8096,8 +8096,8 @@ class AsyncCancellationTest(AsyncTestCase):
         client = self.h2_client()
         await client.push({"token": "before"})
         exchange = client._requests.push({"token": "cancelled"}, False, None)
-        client._loop._arrive(exchange)
-        client._loop._cancel(exchange)
+        client._driver._arrive(exchange)
+        client._driver._cancel(exchange)
         await client.push({"token": "after"})
         self.assertEqual(tokens_sent(self.server), ["before", "after"])
 
@@ -8116,7 +8116,7 @@ class AsyncCancellationTest(AsyncTestCase):
         task.cancel()
         with self.assertRaises(asyncio.CancelledError):
             await task
-        self.assertEqual(client._loop._needs_token, [])
+        self.assertEqual(client._driver._needs_token, [])
         released.set()
         await client.push({"token": "after"})
         self.assertEqual(tokens_sent(self.server), ["after"])
@@ -8131,9 +8131,9 @@ class AsyncCancellationTest(AsyncTestCase):
         task.cancel()
         with self.assertRaises(asyncio.CancelledError):
             await task
-        self.assertEqual(client._loop._timers, [])
+        self.assertEqual(client._driver._timers, [])
         clock.time += clock.sleeps[0] + 1  # the backoff is over
-        client._loop.wake()
+        client._driver.wake()
         await client.push({"token": "after"})
         self.assertEqual(tokens_sent(self.server), ["cancelled", "after"])
 
@@ -8182,7 +8182,7 @@ class AsyncCancellationTest(AsyncTestCase):
         with self.assertRaises(asyncio.CancelledError):
             await consumer
         self.assertLessEqual(messages.taken, len(seen) + 4 * andpush._WINDOW_PER_WORKER)
-        await eventually(lambda: not client._loop._has_work(), "the client holds no request")
+        await eventually(lambda: not client._driver._has_work(), "the client holds no request")
         self.assertLessEqual(self.sends(), len(seen) + 4)  # what was in flight, no more
 
 
@@ -8307,7 +8307,7 @@ class AsyncConcurrencyTest(AsyncTestCase):
     async def test_pushes_arriving_together_begin_in_runs_before_the_turn(self) -> None:
         client = self.h2_client()
         await client.push(V1_MESSAGE)  # a connection up
-        engine = client._loop
+        engine = client._driver
         waiting_at_turns: List[int] = []
         turn = engine._turn
 
@@ -8328,8 +8328,8 @@ class AsyncConcurrencyTest(AsyncTestCase):
         client = self.h2_client()
         await client.push(V1_MESSAGE)  # the route's connections allow one stream each
         openings: List[int] = []
-        opened = client._loop._open
-        client._loop._open = lambda route, count: (  # type: ignore[method-assign]
+        opened = client._driver._open
+        client._driver._open = lambda route, count: (  # type: ignore[method-assign]
             openings.append(count), opened(route, count))
         outcomes = [o async for _, o in client.push_many([V1_MESSAGE] * 8, concurrency=4)]
         self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
@@ -8494,7 +8494,7 @@ class AsyncFakeClockTest(AsyncTestCase):
         client = self.h2_client(keep_alive_timeout=3600)  # idle the whole fake time
         await client.push(V1_MESSAGE)  # one connection up
         clock = FakeClock.install(client)
-        engine, route = client._loop, engine_route(client)
+        engine, route = client._driver, engine_route(client)
         error = andpush.NetworkError("turned away", may_have_been_delivered=False)
 
         def fail_round(count: int) -> None:
