@@ -141,6 +141,14 @@ class NetworkError(Error, OSError):
         self.may_have_been_delivered = may_have_been_delivered
 
 
+class _Stopped(NetworkError):
+    """The outcome of a message a push_many took and did not send because it was stopped
+    (its caller sees a NetworkError; the command line counts these as not sent)."""
+
+    def __init__(self, message: str = "not sent: push_many was stopped") -> None:
+        super().__init__(message, may_have_been_delivered=False)
+
+
 class AuthError(Error):
     """Credentials could not be loaded, an access token could not be obtained, or FCM
     refused the sender's own credentials (UnauthenticatedError, PermissionDeniedError)."""
@@ -565,10 +573,10 @@ class _Retry:
         if self.retries <= 0 or not self._retryable(error):
             return None
         wait = self.backoff_factor * 2 ** self.attempt * (0.5 + random.random())
-        if isinstance(error, QuotaExceededError):
-            wait = max(wait, _quota_wait(error))
-        elif isinstance(error, HTTPError) and error.retry_after is not None:
+        if isinstance(error, HTTPError) and error.retry_after is not None:
             wait = max(wait, error.retry_after)
+        elif isinstance(error, QuotaExceededError):
+            wait = max(wait, _QUOTA_WAIT)
         if wait > _MAX_RETRY_WAIT:
             return None
         return self._next(retries=self.retries - 1, may_refresh=self.may_refresh), wait
@@ -606,8 +614,13 @@ class _NotProcessed(Exception):
     """The server provably did not process the request, so it may be sent again as it is.
 
     A refused HTTP/2 stream, a stream above a GOAWAY's last stream id, a request none of
-    whose bytes were written, or a reused HTTP/1.1 connection the server had closed.
+    whose bytes were written, or a reused HTTP/1.1 connection the server had closed: then
+    it is ``fresh``, to go out on a new connection (it was the first request of none).
     """
+
+    def __init__(self, message: str, fresh: bool = False) -> None:
+        super().__init__(message)
+        self.fresh = fresh
 
 
 class _Clock:
@@ -646,14 +659,18 @@ class _Exchange:
     """One request through its whole life: every attempt, until its one outcome.
 
     ``signer`` gives the headers of each attempt (None: ``headers`` are fixed); ``paced``
-    requests obey rate_limit and the 429 pause; ``on_done`` is called once, from the I/O
+    requests obey rate_limit and the 429 pause; ``on_done`` is called once, from the
     engine's thread, when ``outcome`` is set.
+
+    Each try has its deadlines, set when it begins (see _Engine._try): it goes out by
+    ``send_by`` (else it ends unsent), and ends by ``ends_by``, its answer included; a
+    request the server did not process goes out again within the same try.
     """
 
     __slots__ = ("route", "method", "path", "headers", "body", "signer", "retry", "paced",
                  "signed", "access_token", "resends", "outcome", "on_done", "index",
-                 "device_tokens",
-                 "timeout", "deadline")
+                 "device_tokens", "timeout", "deadline", "send_by", "ends_by", "last_error",
+                 "halted", "fresh")
 
     def __init__(self, route: "_Route", method: str, path: str, body: bytes, retry: _Retry,
                  *, signer: Optional[_Signer] = None, headers: Optional[Dict[str, str]] = None,
@@ -673,8 +690,13 @@ class _Exchange:
         self.on_done: Callable[["_Exchange"], None] = _ignore
         self.index = 0                       # its place in a push_many
         self.device_tokens: Tuple[str, ...] = ()  # the device tokens of a legacy push
-        self.timeout = 0.0                   # seconds to wait for an answer (0: the client's)
-        self.deadline = 0.0
+        self.timeout = 0.0                   # seconds a try may wait (0: the client's)
+        self.deadline = 0.0                  # for the answer of the attempt on the wire
+        self.send_by = 0.0                   # for this try's request to go out
+        self.ends_by = 0.0                   # for this try to end
+        self.last_error: Optional[Error] = None  # what the last try ended in, if retried
+        self.halted = False                  # no further attempt: its push_many stopped
+        self.fresh = False                   # it must go out on a new connection
 
 
 def _ignore(exchange: _Exchange) -> None:
@@ -725,12 +747,17 @@ class _Policy:
                 return None
             error = _http_error(result)
         elif isinstance(result, _NotProcessed):
-            if exchange.resends < _RESENDS:
+            if exchange.halted:
+                error = _Stopped("not sent: push_many was stopped before it went out again "
+                                 "(%s)" % result)
+            elif exchange.resends < _RESENDS:
                 exchange.resends += 1
                 log.debug("sending again a request the server did not process: %s", result)
                 return 0.0
-            error = NetworkError("the server did not process the request in %d tries: %s"
-                                 % (exchange.resends + 1, result), may_have_been_delivered=False)
+            else:
+                error = NetworkError("the server did not process the request in %d tries: %s"
+                                     % (exchange.resends + 1, result),
+                                     may_have_been_delivered=False)
         elif isinstance(result, Error):
             error = result
         else:
@@ -738,11 +765,12 @@ class _Policy:
                                  may_have_been_delivered=True)
         if isinstance(error, QuotaExceededError) and exchange.paced:
             self._pause(_quota_wait(error), error.response, now)
-        step = exchange.retry.after(error)
+        step = None if exchange.halted else exchange.retry.after(error)
         if step is None:
             exchange.outcome = error
             return None
         exchange.retry, wait = step
+        exchange.last_error = error
         if _is_rejected_token(error) and exchange.signer is not None:
             exchange.signer.invalidate(exchange.access_token)
         log.info("retrying in %.2f s after: %s", wait, error)
@@ -1829,10 +1857,15 @@ class _H2Connection:
         """The connection is gone: end every stream, saying whether it may have arrived."""
         self.state = "CLOSED"
         for stream in list(self.streams.values()):
-            if stream.first_byte >= self._written or stream.id > self.last_stream_id:
-                self._finish(stream.id, _NotProcessed(reason))
-            else:
+            if self.may_have_arrived(stream):
                 self._finish(stream.id, NetworkError(reason, may_have_been_delivered=True))
+            else:
+                self._finish(stream.id, _NotProcessed(reason))
+
+    def may_have_arrived(self, stream: _H2Stream) -> bool:
+        """Whether the server may have processed ``stream``: some of it was written, and
+        no GOAWAY left it above the last stream id."""
+        return stream.first_byte < self._written and stream.id <= self.last_stream_id
 
 
 # Transport ###################################################################
@@ -2106,7 +2139,8 @@ class _Link:
     """One connection as the engine sees it: its protocol state and the driver's carrier
     (a non-blocking socket, or an asyncio transport), which only the driver touches."""
 
-    __slots__ = ("carrier", "route", "closed", "idle_since", "last_read")
+    __slots__ = ("carrier", "route", "closed", "idle_since", "last_read", "usable", "carried",
+                 "answered")
 
     def __init__(self, carrier: Any, route: "_Route", now: float) -> None:
         self.carrier = carrier
@@ -2114,6 +2148,9 @@ class _Link:
         self.closed = False
         self.idle_since = now
         self.last_read = now
+        self.usable = True      # it may carry requests (an HTTP/2 one once its SETTINGS came)
+        self.carried = False    # a request was started on it
+        self.answered = False   # an answer came on it: the server works
 
     def pending(self) -> bytearray:
         """The bytes waiting to be written."""
@@ -2152,6 +2189,7 @@ class _H2Link(_Link):
         self.conn = _H2Connection(route.origin.host_header, route.origin.scheme)
         self.opened = now
         self.pinged = False
+        self.usable = False
 
     def pending(self) -> bytearray:
         return self.conn.outgoing
@@ -2160,9 +2198,10 @@ class _H2Link(_Link):
         self.conn.wrote(count)
 
 
-# Seconds no connection is added to a route after one failed to come up while others
-# carry its requests; doubled by each later round of failures, up to the most. A server
-# that turns away connections beyond a limit so gets a few more tries, not a storm of them.
+# Seconds no connection is added to a route after one failed (did not come up, or ended
+# before it ever answered); doubled by each later round of failures, up to the most, and
+# started afresh once a connection answers. A server that fails every connection, or turns
+# away those beyond a limit, so gets a few tries, not a storm of them.
 _CONNECT_BACKOFF = 0.5
 _MAX_CONNECT_BACKOFF = 30.0
 
@@ -2184,8 +2223,9 @@ class _Route:
         self.idle: List[_H1Link] = []            # most recently used last
         self.busy: Dict[_H1Link, None] = {}      # a dict: any one leaves at O(1)
         self.connecting = 0
-        self.failed_connects = 0                 # rounds of them since one came up
+        self.failed_connects = 0                 # rounds of them since a connection answered
         self.hold_until = 0.0                    # no connection is added before (0: none)
+        self.connect_error: Optional[NetworkError] = None  # why the last one failed
         self.generation = 0                      # counts resets: a connect from before is stale
         self.waiting: Deque[_Exchange] = collections.deque()
         self.heads: Dict[bytes, _H1Head] = {}    # HTTP/1.1 response heads seen, parsed
@@ -2201,6 +2241,7 @@ class _Route:
         self.h2, self.idle, self.busy = [], [], {}
         self.connecting = self.failed_connects = 0
         self.hold_until = 0.0
+        self.connect_error = None
         self.generation += 1
         self.waiting.clear()
 
@@ -2283,29 +2324,31 @@ class _Engine:
     # What the driver calls -----------------------------------------------------------
 
     def _turn(self) -> Optional[float]:
-        """Do what is due: begin what callers sent meanwhile, then timers, prepared
-        batches (the outcomes of those that ended stored, and more started), deadlines;
+        """Do what is due: begin what callers sent meanwhile, then timers, deadlines,
+        prepared batches (the outcomes of those that ended stored, and more started);
         then write what waits.
 
         Returns the seconds the driver may wait before the next turn (None: until a
-        connection or a caller has something)."""
+        connection or a caller has something): 0 when outcomes stored at its end made
+        room for a batch's prepared messages."""
         if self._arrived:
             self._begin_arrived()
         now = self.clock.now()
         self._fire_timers(now)
-        self._feed_batches()
         expired = now >= self._due
         if expired:
             self._expire(now)
+        self._feed_batches()
         dirty, self._dirty = self._dirty, []
         for link in dirty:
             if not link.closed:
                 self._send(link)
+        again = False
         for batch in self._batches:  # what ended after they were fed, in this turn
-            batch.store_ended()
+            again = batch.store_ended() or again
         if expired:
             self._due = self._earliest_deadline()
-        return self._timeout(now)
+        return 0.0 if again else self._timeout(now)
 
     def _has_work(self) -> bool:
         """Whether anything but idle connections is left: requests, batches, timers."""
@@ -2320,7 +2363,6 @@ class _Engine:
         if generation != route.generation:
             return False
         route.connecting -= 1
-        route.failed_connects = 0
         now = self.clock.now()
         link: _Link
         if h2:
@@ -2341,11 +2383,13 @@ class _Engine:
         return True
 
     def _connect_failed(self, route: _Route, error: NetworkError, generation: int) -> None:
-        """A connection did not come up: if no other can carry them, the waiting fail."""
+        """A connection did not come up: the route holds off (see _hold_off), and if no
+        other connection can carry them, the waiting fail."""
         if generation != route.generation:
             return
         route.connecting -= 1
-        self._no_connection(route, error)
+        self._hold_off(route, error)
+        self._fail_unless_connected(route)
 
     def _received(self, link: _Link, data: bytes) -> bool:
         """Handle bytes from the server; False once the link wants no more for now
@@ -2359,10 +2403,15 @@ class _Engine:
         try:
             link.conn.receive(data)
         except _H2Error as exc:
+            failed = self._ended_by_server(link, "the server broke HTTP/2: %s" % exc)
             link.conn.abort(exc)
             self._send(link)
             self._collect(link)
+            if failed:
+                self._fail_unless_connected(link.route)
             return False
+        if not link.usable and link.conn.state != "WAITING_FOR_SETTINGS":
+            link.usable = True
         self._collect(link)
         if link.conn.outgoing and not link.closed:
             self._wants_write(link)  # ACKs and WINDOW_UPDATEs go out this turn
@@ -2373,8 +2422,11 @@ class _Engine:
         if link.closed:
             return
         if isinstance(link, _H2Link):
+            failed = self._ended_by_server(link, reason)
             link.conn.lost(reason)
             self._collect(link)
+            if failed:
+                self._fail_unless_connected(link.route)
             return
         assert isinstance(link, _H1Link)
         exchange = link.exchange
@@ -2423,8 +2475,12 @@ class _Engine:
         batch.route.limit += batch.concurrency
 
     def _feed_batches(self) -> None:
-        """Start what the push_many batches have prepared, each within its concurrency."""
+        """Start what the push_many batches have prepared, each within its concurrency;
+        end what a stopped batch still holds unsent (see _halt)."""
         for batch in list(self._batches):
+            halted = batch.halted()
+            if halted:
+                self._halt(halted)
             ready = batch.ready()
             while ready:  # a run at a time, until none is left or there is no more room
                 self._begin_all(ready)
@@ -2461,12 +2517,21 @@ class _Engine:
             elif start > now:
                 self._after(clock.delay(start - now), self._enqueue, exchange)
             else:
+                self._try(exchange, now)
                 route = exchange.route
-                route.waiting.append(exchange)
                 if route not in routes:
                     routes.append(route)
         for route in routes:
             self._place(route)
+
+    def _try(self, exchange: _Exchange, now: float) -> None:
+        """Begin a try of ``exchange``: it waits for a connection (and an access token) until
+        ``send_by``, the connect timeout (or the call's own) from now; the try ends, its
+        answer included, by ``ends_by``, the read timeout (or the call's own) after that."""
+        exchange.send_by = now + (exchange.timeout or self._connect_timeout)
+        exchange.ends_by = exchange.send_by + (exchange.timeout or self._read_timeout)
+        self._soon(exchange.send_by)
+        exchange.route.waiting.append(exchange)
 
     def _after(self, seconds: float, then: Callable[[_Exchange], None],
                exchange: _Exchange) -> None:
@@ -2480,8 +2545,31 @@ class _Engine:
             then(exchange)
 
     def _enqueue(self, exchange: _Exchange) -> None:
-        exchange.route.waiting.append(exchange)
+        """Begin a try of an exchange whose start the policy put off (pause, rate_limit)."""
+        self._try(exchange, self.clock.now())
         self._place(exchange.route)
+
+    def _halt(self, exchanges: List[_Exchange]) -> None:
+        """A push_many stopped: of its exchanges, those not on a connection end now (with
+        their last try's error, else "not sent"), and those on one are tried no more."""
+        stopped = set(exchanges)
+        on_wire: Set[object] = set()
+        for exchange in exchanges:
+            exchange.halted = True
+        for route in self._routes:
+            on_wire.update(link.exchange for link in route.busy)
+            for h2 in route.h2:
+                on_wire.update(stream.key for stream in h2.conn.streams.values())
+            if not stopped.isdisjoint(route.waiting):
+                route.waiting = collections.deque(e for e in route.waiting if e not in stopped)
+        self._needs_token = [e for e in self._needs_token if e not in stopped]
+        if any(entry[3] in stopped for entry in self._timers):
+            self._timers = [entry for entry in self._timers if entry[3] not in stopped]
+            heapq.heapify(self._timers)
+        for exchange in exchanges:
+            if exchange.outcome is None and exchange not in on_wire:
+                exchange.outcome = exchange.last_error or _Stopped()
+                exchange.on_done(exchange)
 
     def _place(self, route: _Route) -> None:
         """Start waiting exchanges on connections with room, as many on each as it takes
@@ -2491,7 +2579,7 @@ class _Engine:
             return
         now = self.clock.now()
         while waiting:
-            link, room = self._link_for(route, now)
+            link, room = self._link_for(route, now, waiting[0].fresh)
             if link is None:
                 self._open_more(route)
                 return
@@ -2510,9 +2598,11 @@ class _Engine:
                 else:
                     self._wants_write(link)
 
-    def _link_for(self, route: _Route, now: float) -> Tuple[Optional[_Link], int]:
+    def _link_for(self, route: _Route, now: float,
+                  fresh: bool) -> Tuple[Optional[_Link], int]:
         """A connection with room for more requests, and how many it takes now (None and
-        0 if there is none); those idle too long are replaced rather than reused."""
+        0 if there is none); those idle too long are replaced rather than reused. A
+        ``fresh`` request (one a reused HTTP/1.1 connection failed) takes a new one."""
         for h2 in list(route.h2):
             conn = h2.conn
             if conn.streams:
@@ -2526,24 +2616,34 @@ class _Engine:
                 room = conn.free_streams
                 if room:
                     return h2, room
-        while route.idle:
-            link = route.idle[-1]
-            if not link.reused or now - link.idle_since < self._keep_alive_timeout:
+        idle = route.idle
+        while idle:
+            link = idle[-1]
+            if link.reused and now - link.idle_since >= self._keep_alive_timeout:
+                self._drop(link)
+            elif not fresh or not link.reused:
                 return link, 1
-            self._drop(link)
+            else:
+                new = next((link for link in idle if not link.reused), None)
+                if new is not None:
+                    return new, 1
+                if route.connections() >= route.limit:
+                    self._drop(idle[0])  # the least recently used makes room for a new one
+                break
         return None, 0
 
     def _open_more(self, route: _Route) -> None:
         """Open as many connections as the waiting exchanges need, within the limit; none
-        more while the route holds off after a failed connect (see _no_connection)."""
-        if route.hold_until and route.connections():
+        while the route holds off after a failed connect (see _hold_off)."""
+        if route.hold_until:
             return
         if route.speaks_h2:
             known = max([link.conn.max_streams for link in route.h2
                          if link.conn.state == "OPEN"], default=0)
             per = min(known, _H2_STREAMS_EXPECTED) if known > 0 else _H2_STREAMS_EXPECTED
-            coming = route.connecting + sum(
-                link.conn.state == "WAITING_FOR_SETTINGS" for link in route.h2)
+            coming = route.connecting + sum(  # those a server allows no stream yet too
+                link.conn.state == "WAITING_FOR_SETTINGS" or not link.conn.max_streams
+                for link in route.h2)
             wanted = -(-len(route.waiting) // per) - coming
         elif route.speaks_h2 is False:
             wanted = len(route.waiting) - route.connecting
@@ -2554,22 +2654,48 @@ class _Engine:
             route.connecting += count
             self._open(route, count)
 
-    def _no_connection(self, route: _Route, error: NetworkError) -> None:
-        """A connection did not come up. If others can carry the waiting exchanges, they
-        do, and the route adds none for a while; if none can, the waiting fail."""
+    def _hold_off(self, route: _Route, error: NetworkError) -> None:
+        """A connection failed (did not come up, or ended before it ever answered): the
+        route adds none for a while, whether or not others carry its requests."""
+        route.connect_error = error
+        if not route.hold_until:  # one round of failures, however many connects
+            route.failed_connects += 1
+            clock = self.clock
+            seconds = clock.delay(min(_CONNECT_BACKOFF * 2 ** (route.failed_connects - 1),
+                                      _MAX_CONNECT_BACKOFF))
+            route.hold_until = clock.now() + seconds
+            self._soon(route.hold_until)
+
+    def _ended_by_server(self, link: _Link, reason: str) -> bool:
+        """The server ended (or broke) ``link``: an HTTP/2 connection that never answered,
+        though it carried requests or was still coming up, counts as a failed connect. (Its
+        requests were not processed, and go out again without a try counted; an HTTP/1.1
+        connection that breaks ends its request's try, and needs no more.)"""
+        if isinstance(link, _H2Link) and not link.answered and (link.carried or not link.usable):
+            self._hold_off(link.route, NetworkError(
+                "could not use the connection to %r: %s" % (link.route, reason),
+                may_have_been_delivered=False))
+            return True
+        return False
+
+    def _fail_unless_connected(self, route: _Route) -> None:
+        """After a failed connection: with no other up or coming, this try of each waiting
+        exchange ends unsent, saying why (their retries decide what next); else the others
+        carry them."""
         if route.connections():
-            if not route.hold_until:  # one round of failures, however many connects
-                route.failed_connects += 1
-                clock = self.clock
-                seconds = clock.delay(min(_CONNECT_BACKOFF * 2 ** (route.failed_connects - 1),
-                                          _MAX_CONNECT_BACKOFF))
-                route.hold_until = clock.now() + seconds
-                self._soon(route.hold_until)
             self._place(route)
             return
+        error = route.connect_error
+        reason = str(error) if error is not None else "no connection to %r" % (route,)
         waiting, route.waiting = route.waiting, collections.deque()
         for exchange in waiting:
-            self._settle(exchange, error)
+            self._settle(exchange, NetworkError(reason, may_have_been_delivered=False))
+
+    def _answered(self, link: _Link) -> None:
+        """An answer came on ``link``: the server works, and a later failed connect starts
+        the hold-off afresh."""
+        link.answered = True
+        link.route.failed_connects = 0
 
     def _sign(self, exchange: _Exchange) -> Optional[Dict[str, str]]:
         """The headers of this attempt; None if the exchange waits for a token or ended."""
@@ -2607,13 +2733,17 @@ class _Engine:
             if isinstance(result, Error):
                 self._settle(exchange, result)
             else:
-                exchange.signed = result
-                self._enqueue(exchange)
+                exchange.signed = result  # its try goes on, with the deadlines it had
+                exchange.route.waiting.append(exchange)
+                self._place(exchange.route)
 
     def _start(self, link: _Link, exchange: _Exchange, headers: Dict[str, str],
                now: float) -> None:
-        """Queue the request on ``link`` (the caller has it written)."""
-        exchange.deadline = now + (exchange.timeout or self._read_timeout)
+        """Queue the request on ``link`` (the caller has it written). Its answer is due
+        within the read timeout (or the call's own), and before its try ends."""
+        exchange.deadline = min(now + (exchange.timeout or self._read_timeout), exchange.ends_by)
+        exchange.fresh = False
+        link.carried = True
         self._soon(exchange.deadline)
         if isinstance(link, _H2Link):
             if not link.pinged:
@@ -2648,6 +2778,7 @@ class _Engine:
         try:
             done = link.reader.feed(data)
         except _ProtocolError as exc:
+            self._ended_by_server(link, str(exc))
             self._drop(link)
             self._settle(exchange, NetworkError(
                 "the exchange with %r failed: %s" % (link.route, exc),
@@ -2663,6 +2794,8 @@ class _Engine:
         exchange = link.exchange
         assert exchange is not None
         link.exchange = None
+        if isinstance(result, Response) and not link.answered:
+            self._answered(link)
         if keep:
             del link.route.busy[link]
             link.route.idle.append(link)
@@ -2682,7 +2815,8 @@ class _Engine:
             return NetworkError("the exchange with %r failed: %s" % (link.route, exc),
                                 may_have_been_delivered=True)
         if link.reused:  # a kept-alive connection the server had closed: not processed
-            return _NotProcessed("the reused connection to %r was closed" % (link.route,))
+            return _NotProcessed("the reused connection to %r was closed" % (link.route,),
+                                 fresh=True)
         return NetworkError("the connection to %r closed before an answer (%s)"
                             % (link.route, reason), may_have_been_delivered=True)
 
@@ -2690,10 +2824,17 @@ class _Engine:
         """Settle the streams that ended; close the connection once it is done."""
         conn = link.conn
         finished, conn.finished = conn.finished, []
+        if not link.answered and any(isinstance(result, Response) for _, result in finished):
+            self._answered(link)
         for key, result in reversed(finished):  # resends go to the front in their order
             assert isinstance(key, _Exchange)
             self._settle(key, result)
-        if conn.state == "CLOSED" or (conn.state == "GOING_AWAY" and not conn.streams):
+        if conn.state == "GOING_AWAY" and not conn.streams:
+            failed = self._ended_by_server(link, "the server went away (GOAWAY)")
+            self._drop(link)
+            if failed:
+                self._fail_unless_connected(link.route)
+        elif conn.state == "CLOSED":
             self._drop(link)
         elif not conn.streams:
             link.idle_since = self.clock.now()
@@ -2730,6 +2871,9 @@ class _Engine:
         if wait is None:
             exchange.on_done(exchange)
         elif isinstance(result, _NotProcessed):
+            exchange.fresh = result.fresh
+            exchange.send_by = exchange.ends_by  # it goes out again within the same try
+            self._soon(exchange.send_by)
             exchange.route.waiting.appendleft(exchange)  # its turn again, before the rest
         else:
             self._after(self.clock.delay(wait), self._begin, exchange)
@@ -2737,8 +2881,9 @@ class _Engine:
     # Deadlines ----------------------------------------------------------------------
 
     def _expire(self, now: float) -> None:
-        """End what waited too long: answers, SETTINGS, idle connections; PING the quiet;
-        let routes that held off after a failed connect add connections again."""
+        """End what waited too long: answers, SETTINGS, idle connections, requests not sent
+        in time; PING the quiet; let routes that held off after a failed connect add
+        connections again."""
         for route in self._routes:
             if route.hold_until and route.hold_until <= now:
                 route.hold_until = 0.0
@@ -2747,10 +2892,11 @@ class _Engine:
                 conn = h2.conn
                 if conn.state == "WAITING_FOR_SETTINGS":
                     if now - h2.opened > self._connect_timeout:
-                        self._drop(h2)
-                        self._no_connection(route, NetworkError(
+                        self._hold_off(route, NetworkError(
                             "%r sent no HTTP/2 SETTINGS within %.3g s"
                             % (route, self._connect_timeout), may_have_been_delivered=False))
+                        self._drop(h2)
+                        self._fail_unless_connected(route)
                     continue
                 conn.expire(now)
                 if conn.finished:
@@ -2774,6 +2920,33 @@ class _Engine:
                     self._drop(h1)
             if route.waiting:
                 self._place(route)
+                self._expire_waiting(route, now)
+        if self._needs_token and any(e.send_by <= now for e in self._needs_token):
+            late = [e for e in self._needs_token if e.send_by <= now]
+            self._needs_token = [e for e in self._needs_token if e.send_by > now]
+            for exchange in late:
+                self._settle(exchange, NetworkError(
+                    "not sent: no access token came within %.3g s (the token request is "
+                    "still under way)" % (exchange.timeout or self._connect_timeout),
+                    may_have_been_delivered=False))
+
+    def _expire_waiting(self, route: _Route, now: float) -> None:
+        """End, unsent, the tries whose request could not go out in time."""
+        if all(e.send_by > now for e in route.waiting):
+            return
+        late = [e for e in route.waiting if e.send_by <= now]
+        route.waiting = collections.deque(e for e in route.waiting if e.send_by > now)
+        usable = any(link.usable for link in route.links())
+        for exchange in late:
+            waited = exchange.timeout or self._connect_timeout
+            if usable:
+                reason = "no connection to %r had room for it within %.3g s" % (route, waited)
+            else:
+                reason = "no connection to %r came up within %.3g s" % (route, waited)
+                if route.connect_error is not None:
+                    reason += " (the last failed: %s)" % route.connect_error
+            self._settle(exchange, NetworkError("not sent: " + reason,
+                                                may_have_been_delivered=False))
 
     def _soon(self, deadline: float) -> None:
         """Something new is due at ``deadline``: a request's answer, a connection's
@@ -2805,6 +2978,8 @@ class _Engine:
                     due.append(h2.idle_since + self._keep_alive_timeout)
             due.extend(h1.exchange.deadline for h1 in route.busy if h1.exchange)
             due.extend(h1.idle_since + self._keep_alive_timeout for h1 in route.idle)
+            due.extend(exchange.send_by for exchange in route.waiting)
+        due.extend(exchange.send_by for exchange in self._needs_token)
         return min(due) if due else math.inf
 
     # Ending -------------------------------------------------------------------------
@@ -2816,9 +2991,9 @@ class _Engine:
         for route in self._routes:
             held.extend((e, False) for e in route.waiting)
             for h2 in route.h2:
-                held.extend((s.key, True) for s in h2.conn.streams.values()
-                            if isinstance(s.key, _Exchange))
-            held.extend((h1.exchange, True) for h1 in route.busy if h1.exchange)
+                held.extend((s.key, h2.conn.may_have_arrived(s))
+                            for s in h2.conn.streams.values() if isinstance(s.key, _Exchange))
+            held.extend((h1.exchange, not h1.out) for h1 in route.busy if h1.exchange)
         held.extend((entry[3], False) for entry in self._timers)
         held.extend((e, False) for e in self._needs_token)
         held.extend((e, False) for e in self._arrived)
@@ -2915,8 +3090,9 @@ class _ThreadDriver(_Engine):
             runner = self._thread
             if runner is None:
                 self._thread = threading.current_thread()  # ends it all itself, at once
-            elif runner is not threading.current_thread():
-                self.wake()
+            else:
+                self.wake()  # the runner ends it all at its next step (this thread's too)
+            if runner is not None and runner is not threading.current_thread():
                 deadline = time.monotonic() + self._connect_timeout
                 while self._thread is not None and time.monotonic() < deadline:
                     self._runner_left.wait(deadline - time.monotonic())
@@ -3524,9 +3700,11 @@ class _Batch:
     is kept with its item until the consumer takes the pair. The waiting (for room, for
     the next pair) is the subclass's: threads (_ThreadBatch) or asyncio (_AsyncBatch).
 
-    Reading ends with the input, or early: ``stop`` ends it and no more (every item
-    already read is still sent, and its pair still comes); ``discard`` also starts no
-    item not yet started (each ends "not sent") and forgets the consumer, who is gone.
+    Reading ends with the input, or early: ``stop`` ends it, and nothing more is sent:
+    each item read and not yet sent ends "not sent", one waiting to be sent again ends
+    with its last try's error, and those on the wire end as the server answers (each
+    within the read timeout); their pairs still come. ``discard`` does the same for a
+    consumer who is gone.
     """
 
     def __init__(
@@ -3552,7 +3730,9 @@ class _Batch:
         self._done = 0
         self._failed = 0
         self._reading = True    # the feeder may take more items
-        self._discarded = False
+        self._halting = False   # stopped: nothing more is sent
+        self._halt_due = False  # the engine is yet to end what the batch holds unsent
+        self._exchanges: Dict[int, _Exchange] = {}  # begun and not ended, by item index
         self._engine_waits = False  # the engine found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None  # raised after the last pair
         # Exchanges the engine ended and has not stored yet: its thread alone touches this
@@ -3640,11 +3820,9 @@ class _Batch:
         """The (index, item) of the next run that may start, counted in flight."""
         with self._lock:
             self._store_ended()
-            if self._discarded:  # taken from the input, never to be sent
+            if self._halting:  # taken from the input, never to be sent
                 for index in self._prepared:
-                    self._store(index, self._items_out.pop(index),
-                                NetworkError("not sent: push_many was stopped",
-                                             may_have_been_delivered=False))
+                    self._store(index, self._items_out.pop(index), _Stopped())
                 self._prepared.clear()
                 return []
             room = min(self.concurrency - self._in_flight, _RUN)
@@ -3671,7 +3849,19 @@ class _Batch:
             exchange.index = index
             exchange.on_done = finished
             exchanges.append(exchange)
+        with self._lock:
+            for exchange in exchanges:
+                self._exchanges[exchange.index] = exchange
         return exchanges
+
+    def halted(self) -> List[_Exchange]:
+        """Once the batch stopped: the exchanges it began that have not ended, for the
+        engine to end those not on the wire and to try the others no more; else []."""
+        if not self._halt_due:
+            return []
+        with self._lock:
+            self._halt_due = False
+            return list(self._exchanges.values())
 
     def ended(self) -> bool:
         """Whether the engine may forget the batch: nothing left to read, start or end."""
@@ -3690,12 +3880,15 @@ class _Batch:
             self._store_ended()
             self._note_room()
 
-    def store_ended(self) -> None:
-        """Store the outcomes of the exchanges that ended, if any (the engine's thread)."""
-        if self._ended:
-            with self._lock:
-                self._store_ended()
-                self._note_room()
+    def store_ended(self) -> bool:
+        """Store the outcomes of the exchanges that ended, if any (the engine's thread);
+        True if that made room for prepared items, which the engine may start at once."""
+        if not self._ended:
+            return False
+        with self._lock:
+            self._store_ended()
+            self._note_room()
+            return bool(self._prepared) and self._in_flight < self.concurrency
 
     def _store_ended(self) -> None:
         """Store the outcomes of the exchanges that ended (the lock is held)."""
@@ -3703,6 +3896,7 @@ class _Batch:
         self._in_flight -= len(ended)
         for exchange in ended:
             assert exchange.outcome is not None
+            self._exchanges.pop(exchange.index, None)
             self._store(exchange.index, self._items_out.pop(exchange.index, None),
                         exchange.outcome)
 
@@ -3784,22 +3978,30 @@ class _Batch:
         return pairs
 
     def stop(self) -> None:
-        """Read no more: what was read is still sent, and its pairs are the last; the
-        input's error, if it failed meanwhile, is not raised (the consumer stopped first)."""
+        """Read no more and send nothing more (see the class); the pairs of what was read
+        are the last. The input's error, if it failed meanwhile, is not raised (the
+        consumer stopped first)."""
         with self._lock:
             self._reading, self._error = False, None
-            self._pair_ready()
-            self._room_made()
-        with contextlib.suppress(ValueError):
-            self.route.engine.wake()
+            self._halt()
+        self._wake_engine()
 
     def discard(self) -> None:
-        """The consumer is gone: read no more, and start nothing more."""
+        """The consumer is gone: read no more, and send nothing more."""
         with self._lock:
-            self._reading, self._discarded = False, True
-            self._pair_ready()
-            self._room_made()
-        with contextlib.suppress(ValueError):
+            self._reading = False
+            self._halt()
+        self._wake_engine()
+
+    def _halt(self) -> None:
+        """Have the engine end what is not sent (the lock is held)."""
+        if not self._halting:
+            self._halting = self._halt_due = True
+        self._pair_ready()
+        self._room_made()
+
+    def _wake_engine(self) -> None:
+        with contextlib.suppress(ValueError):  # (a closed client: nothing to wake)
             self.route.engine.wake()
 
 
@@ -4450,10 +4652,15 @@ def _token_exchange(
 
 
 def _token_answer(outcome: Optional[Outcome]) -> Response:
-    """The 2xx answer of a token endpoint, or the AuthError its failure means."""
+    """The 2xx answer of a token endpoint, or the error its failure means for the
+    requests that waited for the token: an AuthError, or a NetworkError saying they
+    were not sent (whatever became of the token request, none of them left the client)."""
     if isinstance(outcome, Response):
         return outcome
     assert isinstance(outcome, Error)
+    if isinstance(outcome, NetworkError):
+        raise NetworkError("not sent: no access token: %s" % outcome,
+                           may_have_been_delivered=False) from None
     raise _auth_error(outcome) from None
 
 
@@ -6514,7 +6721,10 @@ class _Tally:
 
     def add(self, token: str, outcome: Outcome) -> None:
         """Count the outcome, then write it: a file whose reader went away (a closed pipe)
-        is written no more, and the summary still counts what was sent."""
+        is written no more, and the summary still counts what was sent. A token the run
+        took and did not send, as it stopped, is neither: it counts as not sent."""
+        if isinstance(outcome, _Stopped):
+            return
         record = _record(token, outcome)
         code = record["error"]
         if record["ok"]:

@@ -4503,7 +4503,8 @@ class ApplicationDefaultCredentialsTest(unittest.TestCase):
         clock = FakeClock.install(client)
         with self.assertRaises(andpush.AuthError) as caught:
             client.push(V1_MESSAGE)
-        self.assertEqual(len(clock.sleeps), andpush._TOKEN_RETRIES)  # connect refused, twice
+        backoffs = clock.sleeps[1::2]  # after each refused connect, the route holds off
+        self.assertEqual(len(backoffs), andpush._TOKEN_RETRIES)  # connect refused, twice
         message = str(caught.exception)
         self.assertIn("GOOGLE_APPLICATION_CREDENTIALS", message)
         self.assertIn("application_default_credentials.json", message)
@@ -4741,13 +4742,19 @@ class PushManySpec:
 
     def assert_every_send_reported(self: Any, client: Any, pairs: List[Tuple[Any, Any]],
                                    messages: CountingMessages) -> None:
-        """The pairs answer t0, t1, ... in order, each a Response; once the client holds no
-        request, the server processed exactly those (at most one message taken as the
-        reading stopped is not sent)."""
+        """The pairs answer t0, t1, ... in order: first those that went out before the
+        stop, each a Response, then those read but not sent, each "not sent"; once the
+        client holds no request, the server processed exactly the first (at most one
+        message taken as the reading stopped has no pair)."""
         self.assertEqual([m["token"] for m, _ in pairs], ["t%d" % i for i in range(len(pairs))])
-        self.assertTrue(all(isinstance(o, andpush.Response) for _, o in pairs))
+        sent = [m["token"] for m, o in pairs if isinstance(o, andpush.Response)]
+        self.assertEqual(sent, ["t%d" % i for i in range(len(sent))])  # a prefix
+        for _, outcome in pairs[len(sent):]:
+            self.assertIsInstance(outcome, andpush.NetworkError)
+            self.assertFalse(outcome.may_have_been_delivered)
+            self.assertIn("not sent", str(outcome))
         self.assertTrue(settles(client))
-        self.assertEqual(sorted(tokens_sent(self.server)), sorted(m["token"] for m, _ in pairs))
+        self.assertEqual(sorted(tokens_sent(self.server)), sorted(sent))
         self.assertIn(messages.taken - len(pairs), (0, 1))
 
     def test_closing_returns_the_pairs_of_every_message_read(self: Any) -> None:
@@ -4762,7 +4769,8 @@ class PushManySpec:
             next(outcomes)
         self.assertEqual(outcomes.close(), [])  # type: ignore[attr-defined]
 
-    def test_stopping_lets_the_iteration_drain_what_was_read(self: Any) -> None:
+    def test_stopping_sends_nothing_more_and_the_iteration_gives_every_pair(
+            self: Any) -> None:
         messages = CountingMessages(1000)
         client = self.fixed_token_client()
         outcomes = client.push_many(messages, concurrency=4)
@@ -4905,7 +4913,10 @@ class RetryTest(V1TestCase):
         with self.assertRaises(andpush.NetworkError) as caught:
             client.push(LEGACY_MESSAGE)
         self.assertFalse(caught.exception.may_have_been_delivered)
-        self.assertEqual(len(clock.sleeps), 2)
+        holds, backoffs = clock.sleeps[0::2], clock.sleeps[1::2]  # after each refused connect
+        self.assertEqual(len(backoffs), 2)  # two retries
+        for hold, expected in zip(holds, [0.5, 1.0, 2.0]):  # each refusal holds off longer
+            self.assertAlmostEqual(hold, expected)
 
     def test_maybe_delivered_network_failures_are_not_retried(self) -> None:
         self.server.by_token[TOKEN] = [RESET_AFTER_READ]
@@ -5628,7 +5639,8 @@ class CliCheckTest(CliTestCase):
         table = [
             # the options that cause the problem, the exit status, what the error line says
             (["--credentials", refused_key], 77, "credentials problem"),
-            (["--credentials", unreachable_key], 75, "try again later: could not connect"),
+            (["--credentials", unreachable_key], 75,
+             "try again later: not sent: no access token: could not connect"),
             (["--project-id", "nope"], 77, "check the project id"),
             (["--project-id", "locked"], 77, "cloudmessaging.messages.create"),
         ]
@@ -7461,9 +7473,12 @@ class HTTP2Test(HTTP2TestCase):
         first = next(outcomes)
         rest = outcomes.close()  # type: ignore[attr-defined]
         self.assertTrue(settles(client))
-        self.assertEqual(self.server.processed, 1 + len(rest))
-        self.assertEqual([m["token"] for m, _ in [first, *rest]],
-                         ["t%d" % i for i in range(1 + len(rest))])
+        pairs = [first, *rest]
+        self.assertEqual([m["token"] for m, _ in pairs], ["t%d" % i for i in range(len(pairs))])
+        sent = [m for m, o in pairs if isinstance(o, andpush.Response)]
+        self.assertEqual(self.server.processed, len(sent))  # those in flight at the close
+        self.assertTrue(all(isinstance(o, andpush.NetworkError) and not o.may_have_been_delivered
+                            for _, o in pairs[len(sent):]))  # the read-ahead: not sent
         self.assertLessEqual(messages.taken, 1 + 10 * andpush._WINDOW_PER_WORKER)
 
 
