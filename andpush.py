@@ -1831,7 +1831,8 @@ class _H2Connection:
             return
         for stream in [s for s in self.streams.values() if s.deadline <= now]:
             self._reset(stream, NetworkError(
-                "no answer within the read timeout", may_have_been_delivered=True))
+                "no answer within the read timeout",
+                may_have_been_delivered=self.may_have_arrived(stream)))
         self._earliest = min([s.deadline for s in self.streams.values()] + [math.inf])
 
     def next_deadline(self) -> float:
@@ -2668,10 +2669,13 @@ class _Engine:
 
     def _ended_by_server(self, link: _Link, reason: str) -> bool:
         """The server ended (or broke) ``link``: an HTTP/2 connection that never answered,
-        though it carried requests or was still coming up, counts as a failed connect. (Its
-        requests were not processed, and go out again without a try counted; an HTTP/1.1
-        connection that breaks ends its request's try, and needs no more.)"""
-        if isinstance(link, _H2Link) and not link.answered and (link.carried or not link.usable):
+        though it carried requests, was still coming up or had just come up, counts as a
+        failed connect. (Its requests were not processed, and go out again without a try
+        counted; an HTTP/1.1 connection that breaks ends its request's try, and needs no
+        more.)"""
+        if isinstance(link, _H2Link) and not link.answered and (
+                link.carried or not link.usable
+                or self.clock.now() - link.opened < self._connect_timeout):
             self._hold_off(link.route, NetworkError(
                 "could not use the connection to %r: %s" % (link.route, reason),
                 may_have_been_delivered=False))

@@ -5267,14 +5267,16 @@ class CliTestCase(unittest.TestCase):
 
     def retry_without_waiting(self) -> None:
         """For the rest of the test, in-process runs retry at once: no backoff between the
-        attempts of a message or of a token request (their number is unchanged)."""
+        attempts of a message or of a token request (their number is unchanged), and no
+        hold-off between failed connects."""
         real_new = andpush.new
 
         def new(*args: Any, **options: Any) -> andpush.Client:
             return real_new(*args, backoff_factor=0.0, **options)
 
         for patcher in (unittest.mock.patch.object(andpush, "new", new),
-                        unittest.mock.patch.object(andpush, "_TOKEN_BACKOFF", 0.0)):
+                        unittest.mock.patch.object(andpush, "_TOKEN_BACKOFF", 0.0),
+                        unittest.mock.patch.object(andpush, "_CONNECT_BACKOFF", 0.0)):
             patcher.start()
             self.addCleanup(patcher.stop)
 
