@@ -2526,9 +2526,10 @@ class _Engine:
             self._place(route)
 
     def _try(self, exchange: _Exchange, now: float) -> None:
-        """Begin a try of ``exchange``: it waits for a connection (and an access token) until
+        """Begin a try of ``exchange``: it waits for a connection or a free stream until
         ``send_by``, the connect timeout (or the call's own) from now; the try ends, its
-        answer included, by ``ends_by``, the read timeout (or the call's own) after that."""
+        answer included, by ``ends_by``, the read timeout (or the call's own) after that.
+        One that must wait for an access token, or go out again, may wait until then."""
         exchange.send_by = now + (exchange.timeout or self._connect_timeout)
         exchange.ends_by = exchange.send_by + (exchange.timeout or self._read_timeout)
         self._soon(exchange.send_by)
@@ -2713,6 +2714,8 @@ class _Engine:
             return None
         exchange.signed = None
         if signed is None:
+            exchange.send_by = exchange.ends_by  # the token's own request may take a try
+            self._soon(exchange.send_by)
             self._needs_token.append(exchange)
             if signer not in self._refreshing:
                 self._refreshing.append(signer)
@@ -2931,7 +2934,8 @@ class _Engine:
             for exchange in late:
                 self._settle(exchange, NetworkError(
                     "not sent: no access token came within %.3g s (the token request is "
-                    "still under way)" % (exchange.timeout or self._connect_timeout),
+                    "still under way)" % ((exchange.timeout or self._connect_timeout)
+                                          + (exchange.timeout or self._read_timeout)),
                     may_have_been_delivered=False))
 
     def _expire_waiting(self, route: _Route, now: float) -> None:

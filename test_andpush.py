@@ -8532,6 +8532,1809 @@ class AsyncFakeClockTest(AsyncTestCase):
         self.assertEqual(clock.sleeps[-1], 0.5)
 
 
+# Deterministic simulation ####################################################################
+# The real engine, policy and protocol code, under each real driver (the thread driver with
+# its sockets and selector simulated and its threads gone; the asyncio driver on an event
+# loop whose clock and connections are simulated), against simulated servers and a network
+# that misbehave as a seeded schedule says. One seed decides everything in a run, so a
+# failure replays exactly:
+#
+#     python test_andpush.py --simulate 100000                 every driver, both protocols
+#     python test_andpush.py --simulate 1 --seed 1234 --driver async --trace   one run, again
+#
+# The server keeps a ledger of what it processed; every run is checked for the invariants
+# of SimRun._check (one outcome per message, in order; nothing processed twice; outcomes
+# truthful about delivery; every call within the liveness bound; no storm, no busy loop, no
+# stream over the server's limit; nothing left after the client closed).
+
+SIM_START = 1_000_000.0      # the simulated clock at the start of a run
+SIM_HORIZON = 5_000.0        # simulated seconds after which a run counts as hung
+SIM_TURNS_AT_ONCE = 500      # engine turns at one simulated instant that count as a busy loop
+SIM_FCM = "fcm.sim"
+SIM_OAUTH = "oauth.sim"
+SIM_PROJECT = "sim-project"
+SIM_DRIVERS = ("thread", "async")
+
+
+class SimAbort(BaseException):
+    """A run cannot go on: it hangs (nothing will happen and the engine waits for ever), or
+    it busy-loops. A BaseException, so that no engine's ``except Exception`` contains it."""
+
+
+class SimWorld:
+    """One run's clock, events and randomness, all from its seed."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.now = SIM_START
+        self._events: List[Tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self.problems: List[str] = []
+        self._instant = SIM_START
+        self._turns_now = 0
+        self.aborted = False  # after a SimAbort: the event loop only winds down
+        self.trace: Optional[List[str]] = None
+
+    def after(self, delay: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (self.now + max(0.0, delay), self._seq, action))
+        self._seq += 1
+
+    def next_event(self) -> float:
+        return self._events[0][0] if self._events else math.inf
+
+    def step(self) -> None:
+        """Run the next event, moving the clock to it."""
+        when, _, action = heapq.heappop(self._events)
+        self.move_to(when)
+        action()
+
+    def wait(self, timeout: Optional[float], ready: Callable[[], bool]) -> None:
+        """Run the events until ``ready()`` or ``timeout`` seconds passed (a driver's wait);
+        SimAbort if it would wait for ever."""
+        deadline = self.now + timeout if timeout is not None else math.inf
+        while not ready():
+            when = self.next_event()
+            if when == math.inf == deadline:
+                raise SimAbort("hang: the engine waits with no deadline, and nothing will "
+                               "ever happen")
+            if when > deadline:
+                self.move_to(deadline)
+                return
+            self.step()
+
+    def move_to(self, when: float) -> None:
+        if when > self.now:
+            self.now = when
+            if when - SIM_START > SIM_HORIZON and not self.aborted:
+                raise SimAbort("the run did not end within %d simulated seconds" % SIM_HORIZON)
+
+    def turn(self) -> None:
+        """The engine took a turn: too many at one instant is a busy loop."""
+        if self.now != self._instant:
+            self._instant, self._turns_now = self.now, 0
+        self._turns_now += 1
+        if self._turns_now > SIM_TURNS_AT_ONCE:
+            raise SimAbort("busy loop: %d engine turns at one simulated instant" % self._turns_now)
+
+    def note(self, text: str) -> None:
+        if self.trace is not None:
+            self.trace.append("t=%.4f %s" % (self.now - SIM_START, text))
+
+    def problem(self, text: str) -> None:
+        self.problems.append("t=%.3f: %s" % (self.now - SIM_START, text))
+
+
+class SimClock(andpush._Clock):
+    """The engine's clock is the world's."""
+
+    def __init__(self, world: SimWorld) -> None:
+        self.world = world
+
+    def now(self) -> float:
+        return self.world.now
+
+
+# The network ------------------------------------------------------------------------------
+
+class SimPipe:
+    """One TCP connection: bytes in order each way after a latency, the server's in pieces of
+    any size; FIN or RST from either side. ``written`` keeps what the client wrote."""
+
+    def __init__(self, world: SimWorld, latency: float, number: int) -> None:
+        self.world = world
+        self.latency = latency
+        self.number = number               # its server's count of connections, from 1
+        self.client: Any = None            # the client's end: a SimSocket or a SimTransport
+        self.server: Any = None            # the server's end: a SimH1Conn or a SimH2Conn
+        self.written: List[bytes] = []
+        self.client_closed = False
+        self.server_closed = False
+        self.answered = False              # any answer reached the client's end
+        self._to_client = 0.0              # when the last piece sent to the client arrives
+        self._to_server = 0.0
+
+    def _when(self, last: float) -> float:
+        when = max(self.world.now + self.latency, last)
+        if self.world.rng.random() < 0.1:
+            when += self.world.rng.random() * self.latency
+        return when
+
+    def client_write(self, data: bytes) -> None:
+        if self.client_closed or not data:
+            return
+        data = bytes(data)
+        self.written.append(data)
+        self._to_server = when = self._when(self._to_server)
+        self.world.after(when - self.world.now, lambda: self._server_gets(data))
+
+    def _server_gets(self, data: bytes) -> None:
+        if not self.server_closed:
+            self.server.received(data)
+
+    def client_close(self) -> None:
+        if not self.client_closed:
+            self.client_closed = True
+            self._to_server = when = self._when(self._to_server)
+            self.world.after(when - self.world.now, self._server_eof)
+
+    def _server_eof(self) -> None:
+        if not self.server_closed:
+            self.server.client_closed()
+
+    def server_write(self, data: bytes) -> None:
+        if self.server_closed or not data:
+            return
+        rng = self.world.rng
+        pieces = [data]
+        if len(data) > 1 and rng.random() < 0.3:  # frames split anywhere
+            cut = rng.randrange(1, len(data))
+            pieces = [data[:cut], data[cut:]]
+        for piece in pieces:
+            self._to_client = when = self._when(self._to_client)
+            self.world.after(when - self.world.now, lambda p=piece: self._client_gets(p))
+
+    def _client_gets(self, data: bytes) -> None:
+        if not self.client_closed:
+            self.client.deliver(data)
+
+    def server_close(self, reset: bool = False) -> None:
+        """FIN (after what was sent) or RST."""
+        if self.server_closed:
+            return
+        self.server_closed = True
+        self._to_client = when = self._when(self._to_client)
+        self.world.after(when - self.world.now, lambda: self._client_ends(reset))
+
+    def _client_ends(self, reset: bool) -> None:
+        if not self.client_closed:
+            self.client.deliver_end(reset)
+
+
+class SimNetwork:
+    """The hosts of a run, and the connections made to them."""
+
+    def __init__(self, world: SimWorld, servers: Dict[str, "SimServer"]) -> None:
+        self.world = world
+        self.servers = servers
+        self.pipes: List[SimPipe] = []
+
+    def connect(self, host: str, on_up: Callable[[SimPipe, bool], None],
+                on_fail: Callable[[Exception], None]) -> None:
+        """Start a connect: ``on_up(pipe, h2)`` when it is up, ``on_fail(error)`` if it
+        fails; a stalled one does neither (the driver's connect timeout ends it)."""
+        server = self.servers[host]
+        fate = server.connect_fate()
+        latency = server.latency()
+        if fate == "refused":
+            self.world.after(latency * 2, lambda: on_fail(ConnectionRefusedError(
+                "connection refused")))
+        elif fate == "reset":
+            self.world.after(latency * 3, lambda: on_fail(ConnectionResetError(
+                "the server reset the connection during the TLS handshake")))
+        elif fate == "ok":
+            def up() -> None:
+                pipe = SimPipe(self.world, latency, server.connections + 1)
+                self.pipes.append(pipe)
+                server.accept(pipe)
+                on_up(pipe, server.h2)
+            self.world.after(latency * 3, up)  # TCP, then TLS 1.3
+
+
+# The servers ------------------------------------------------------------------------------
+
+class SimRequest:
+    __slots__ = ("method", "path", "headers", "body", "stream_id", "first")
+
+    def __init__(self, method: str, path: str, headers: Dict[str, str], body: bytes,
+                 stream_id: int = 0, first: bool = False) -> None:
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.body = body
+        self.stream_id = stream_id
+        self.first = first      # the first request of its HTTP/1.1 connection
+
+
+def sim_request_key(request: SimRequest) -> Optional[str]:
+    """The message a request carries (its device token), or None for a token request."""
+    if request.path.endswith(":send"):
+        try:
+            return str(json.loads(request.body)["message"]["token"])
+        except (ValueError, KeyError, TypeError):
+            return "?"
+    if "/registrations/" in request.path:
+        return request.path.split("/registrations/")[1].split("/")[0]
+    return None
+
+
+class SimServerConnection:
+    """What the server's side of a connection does at its end, on either protocol."""
+
+    pipe: SimPipe
+    closed: bool
+
+    def drop(self, reset: bool) -> None:
+        self.close(reset)
+
+    def close(self, reset: bool = False) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pipe.server_close(reset)
+
+    def client_closed(self) -> None:
+        self.closed = True
+        self.pipe.server_closed = True
+
+
+class SimH1Conn(SimServerConnection):
+    """The server's side of one HTTP/1.1 connection: one request at a time."""
+
+    def __init__(self, server: "SimServer", pipe: SimPipe) -> None:
+        self.server = server
+        self.pipe = pipe
+        self.buffer = bytearray()
+        self.busy = False
+        self.count = 0
+        self.closed = False
+        self.close_every = 0  # close after every N answers (0: never)
+
+    def received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.buffer += data
+        self._parse()
+
+    def _parse(self) -> None:
+        while not self.busy and not self.closed:
+            request = sim_parse_h1(self.buffer)
+            if request is None:
+                return
+            request.first = self.count == 0
+            self.count += 1
+            self.busy = True
+            self.server.handle(self, request)
+
+    def answer(self, request: SimRequest, status: int, body: bytes,
+               headers: Dict[str, str], close: bool = False, partial: bool = False) -> None:
+        if self.closed:
+            return
+        lines = ["HTTP/1.1 %d X" % status, "Content-Length: %d" % len(body)]
+        lines += ["%s: %s" % item for item in headers.items()]
+        if close:
+            lines.append("Connection: close")
+        data = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        if partial:
+            data = data[:self.server.world.rng.randrange(1, len(data))]
+        self.pipe.server_write(data)
+        self.busy = False
+        if close or partial:
+            self.close()
+            return
+        self.server.answered_on(self)
+        self._parse()
+
+    def reset(self, request: SimRequest, code: int) -> None:
+        self.close(reset=True)
+
+
+
+def sim_parse_h1(buffer: bytearray) -> Optional[SimRequest]:
+    end = buffer.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    lines = bytes(buffer[:end]).decode("latin-1").split("\r\n")
+    method, path, _ = lines[0].split(" ", 2)
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    if len(buffer) < end + 4 + length:
+        return None
+    body = bytes(buffer[end + 4:end + 4 + length])
+    del buffer[:end + 4 + length]
+    return SimRequest(method, path, headers, body)
+
+
+class SimH2Conn(SimServerConnection):
+    """The server's side of one HTTP/2 connection, honest about what it processed: it
+    processes a stream when the stream's request is whole, and never one above a GOAWAY's
+    last stream id. It checks the client opens no stream over its limit."""
+
+    def __init__(self, server: "SimServer", pipe: SimPipe) -> None:
+        self.server = server
+        self.pipe = pipe
+        self.world = server.world
+        self.buffer = bytearray()
+        self.preface = False
+        self.decoder = _HPACKDecoder(4096)
+        self.bodies: Dict[int, bytearray] = {}
+        self.heads: Dict[int, Dict[str, str]] = {}
+        self.open: Set[int] = set()          # streams the client opened, not yet ended
+        self.limits: List[int] = []          # each SETTINGS' MAX_CONCURRENT_STREAMS, sent
+        self.acked = 0                       # of those, how many the client acknowledged
+        self.goaway: Optional[int] = None    # the last stream id of our GOAWAY
+        self.highest = 0                     # the highest stream id processed
+        self.closed = False
+        self.streams_seen = 0
+        self.replenish = True                # WINDOW_UPDATE for the DATA received
+        self.goaway_every = 0                # GOAWAY after every N streams (0: never)
+
+    # Sending -----------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        if not self.closed:
+            self.pipe.server_write(data)
+
+    def settings(self, limit: Optional[int]) -> None:
+        payload = b"" if limit is None else (3).to_bytes(2, "big") + limit.to_bytes(4, "big")
+        self.limits.append(andpush._H2_LAST_STREAM if limit is None else limit)
+        self.send(h2_frame(H2_SETTINGS, 0, 0, payload))
+
+    def send_goaway(self, last: int, code: int = 0) -> None:
+        if self.closed:
+            return
+        self.goaway = last if self.goaway is None else min(self.goaway, last)
+        self.send(h2_frame(H2_GOAWAY, 0, 0, last.to_bytes(4, "big") + code.to_bytes(4, "big")))
+        self._close_when_done()
+
+    def _close_when_done(self) -> None:
+        if self.goaway is not None and not any(s <= self.goaway for s in self.open):
+            self.world.after(self.world.rng.random() * 0.01, self.close)
+
+    def answer(self, request: SimRequest, status: int, body: bytes,
+               headers: Dict[str, str], close: bool = False, partial: bool = False) -> None:
+        stream_id = request.stream_id
+        if self.closed or stream_id not in self.open:
+            return
+        fields = [(":status", str(status))] + [(k.lower(), v) for k, v in headers.items()]
+        block = andpush._hpack_encode(fields)
+        data = (h2_frame(H2_HEADERS, H2_END_HEADERS, stream_id, block)
+                + h2_frame(H2_DATA, H2_END_STREAM, stream_id, body))
+        if partial:
+            self.send(data[:self.world.rng.randrange(1, len(data))])
+            self.close(reset=self.world.rng.random() < 0.5)
+            return
+        self.send(data)
+        self.open.discard(stream_id)
+        self.server.answered_on(self)
+        self._close_when_done()
+
+    def reset(self, request: SimRequest, code: int) -> None:
+        if not self.closed and request.stream_id in self.open:
+            self.open.discard(request.stream_id)
+            self.send(h2_frame(H2_RST_STREAM, 0, request.stream_id, code.to_bytes(4, "big")))
+            self._close_when_done()
+
+
+    # Receiving -------------------------------------------------------------------------
+
+    def received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.buffer += data
+        if not self.preface:
+            if len(self.buffer) < len(H2_CLIENT_PREFACE):
+                return
+            if self.buffer[:len(H2_CLIENT_PREFACE)] != H2_CLIENT_PREFACE:
+                self.world.problem("the client's HTTP/2 preface was wrong")
+                self.close()
+                return
+            del self.buffer[:len(H2_CLIENT_PREFACE)]
+            self.preface = True
+        while len(self.buffer) >= 9 and not self.closed:
+            length = int.from_bytes(self.buffer[:3], "big")
+            if len(self.buffer) < 9 + length:
+                return
+            kind, flags = self.buffer[3], self.buffer[4]
+            stream_id = int.from_bytes(self.buffer[5:9], "big") & andpush._H2_LAST_STREAM
+            payload = bytes(self.buffer[9:9 + length])
+            del self.buffer[:9 + length]
+            self._on_frame(kind, flags, stream_id, payload)
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if kind == H2_HEADERS:
+            if not flags & 0x4:
+                self.world.problem("a request header block in pieces (not expected)")
+            fields = dict(self.decoder.decode(payload))
+            self._opened(stream_id)
+            self.heads[stream_id] = fields
+            self.bodies[stream_id] = bytearray()
+            if flags & 0x1:
+                self._whole(stream_id)
+        elif kind == H2_DATA:
+            if self.replenish and payload:
+                increment = len(payload).to_bytes(4, "big")
+                self.send(h2_frame(H2_WINDOW_UPDATE, 0, 0, increment)
+                          + h2_frame(H2_WINDOW_UPDATE, 0, stream_id, increment))
+            if stream_id in self.bodies:
+                self.bodies[stream_id] += payload
+                if flags & 0x1:
+                    self._whole(stream_id)
+        elif kind == H2_SETTINGS:
+            if flags & 0x1:
+                self.acked += 1
+            else:
+                self.send(h2_frame(H2_SETTINGS, 0x1, 0))
+        elif kind == H2_PING and not flags & 0x1:
+            self.send(h2_frame(H2_PING, 0x1, 0, payload))
+        elif kind == H2_RST_STREAM:
+            self.open.discard(stream_id)
+            self.bodies.pop(stream_id, None)
+            self._close_when_done()
+
+    def _opened(self, stream_id: int) -> None:
+        self.open.add(stream_id)
+        self.streams_seen += 1
+        allowed = max(self.limits[max(0, self.acked - 1):] or [0])
+        if not self.limits:
+            self.world.problem("a stream opened before the server's SETTINGS")
+        elif len(self.open) > allowed:
+            self.world.problem("%d streams open on a connection whose limit is %d"
+                               % (len(self.open), allowed))
+
+    def _whole(self, stream_id: int) -> None:
+        fields = self.heads.pop(stream_id)
+        body = bytes(self.bodies.pop(stream_id))
+        if self.goaway is not None and stream_id > self.goaway:
+            self.open.discard(stream_id)
+            return  # above our GOAWAY: not processed
+        headers = {k: v for k, v in fields.items() if not k.startswith(":")}
+        request = SimRequest(fields.get(":method", ""), fields.get(":path", ""), headers, body,
+                             stream_id)
+        self.highest = max(self.highest, stream_id)
+        self.server.handle(self, request)
+
+
+def sim_requests_written(pipe: SimPipe) -> List[SimRequest]:
+    """Every request whose first bytes the client wrote on ``pipe`` (parsed afresh)."""
+    data = bytearray(b"".join(pipe.written))
+    found: List[SimRequest] = []
+    if data.startswith(H2_CLIENT_PREFACE):
+        del data[:len(H2_CLIENT_PREFACE)]
+        decoder = _HPACKDecoder(4096)
+        heads: Dict[int, Dict[str, str]] = {}
+        while len(data) >= 9:
+            length = int.from_bytes(data[:3], "big")
+            kind, stream_id = data[3], int.from_bytes(data[5:9], "big")
+            payload = bytes(data[9:9 + length])
+            del data[:9 + length]
+            if kind == H2_HEADERS:
+                heads[stream_id] = dict(decoder.decode(payload))
+                found.append(SimRequest(heads[stream_id].get(":method", ""),
+                                        heads[stream_id].get(":path", ""), {}, b"", stream_id))
+            elif kind == H2_DATA and stream_id in heads:
+                for request in found:
+                    if request.stream_id == stream_id:
+                        request.body += payload
+        return found
+    while True:
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            return found
+        request = sim_parse_h1(data)
+        if request is None:  # the body in part: enough to know the message
+            lines = bytes(data[:end]).decode("latin-1").split("\r\n")
+            found.append(SimRequest("POST", lines[0].split(" ")[1], {},
+                                    bytes(data[end + 4:])))
+            return found
+        found.append(request)
+
+
+#: Behaviours of the server for one request, with what each means for the message.
+SIM_ANSWERS = ("ok", "late", "never", "error", "refuse", "reset_after", "drop_after",
+               "drop_before", "partial")
+
+
+class SimServer:
+    """A simulated FCM (or OAuth2 token endpoint) whose behaviour is drawn from the run's
+    randomness, per connection and per request, with a ledger of what it processed."""
+
+    def __init__(self, world: SimWorld, kind: str, h2: bool, faults: float,
+                 tokens: Dict[str, float], read_timeout: float) -> None:
+        self.world = world
+        self.kind = kind                      # "fcm" or "oauth"
+        self.h2 = h2
+        self.faults = faults                  # how often a connection or request misbehaves
+        self.tokens = tokens                  # access tokens issued, and when each expires
+        self.read_timeout = read_timeout
+        self.delivered: Dict[str, int] = {}   # times each message was processed for delivery
+        self.connections = 0
+        self.answered_connections: Set[int] = set()
+        self._base_latency = world.rng.choice((0.001, 0.01, 0.05))
+        rng = world.rng
+        # What it does for the whole run (a scripted run sets these): its HTTP/2 streams
+        # limit (None: none said); what its connections send instead of SETTINGS, now and
+        # then ("none", "garbage", "late"); what becomes of every connect ("" when drawn
+        # for each); and the one way it is stuck, if it is.
+        self.limit = rng.choice((None, 100, 100, 5, 2, 1, 0)) if h2 else None
+        self.settings = rng.choice(("none", "garbage", "late")) if self.bad(0.3) else ""
+        self.settings_share = 0.7         # of the connections that do it
+        self.connect = ""
+        self.stuck = rng.choice(("refuse_streams", "goaway_at_once", "max_connections",
+                                 "no_answers", "drop_requests")) if self.bad(0.2) else ""
+        self.close_every = 0              # HTTP/1.1: close after every N answers
+        self.open_connections: Set[Any] = set()
+        self.issued = 0
+
+    def latency(self) -> float:
+        return self._base_latency * (0.5 + self.world.rng.random())
+
+    def bad(self, scale: float = 1.0) -> bool:
+        return self.world.rng.random() < self.faults * scale
+
+    def connect_fate(self) -> str:
+        """What becomes of a connect: "ok", "refused", "reset" or "stall"."""
+        if self.connect:
+            return self.connect
+        if not self.bad(0.3):
+            return "ok"
+        return self.world.rng.choice(("refused", "reset", "stall"))
+
+    def accept(self, pipe: SimPipe) -> None:
+        self.connections += 1
+        rng = self.world.rng
+        if self.h2:
+            conn: Any = SimH2Conn(self, pipe)
+            pipe.server = conn
+            if self.stuck == "goaway_at_once":
+                conn.settings(self.limit)
+                conn.send_goaway(0)
+                return
+            what = self.settings if rng.random() < self.settings_share else ""
+            if what == "garbage":  # a proxy that took h2 by ALPN, and speaks HTTP/1.1
+                conn.send(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                self.world.after(0.001, conn.close)
+            elif what == "late":
+                self.world.after(rng.random() * 20, lambda: conn.settings(self.limit))
+            elif what != "none":
+                conn.settings(self.limit)
+            if self.bad(0.2):
+                conn.replenish = False
+            if self.bad(0.3):
+                self._schedule_connection_fault(conn)
+        else:
+            conn = SimH1Conn(self, pipe)
+            pipe.server = conn
+            conn.close_every = self.close_every
+            if self.bad(0.3):
+                self._schedule_connection_fault(conn)
+        self._idle_close(conn, rng.choice((5.0, 30.0, 90.0, 1000.0)))
+        self.open_connections = {c for c in self.open_connections if not c.closed}
+        if self.stuck == "max_connections" and self.open_connections:
+            self.world.after(0.0, lambda: conn.drop(rng.random() < 0.5))  # beyond the limit
+        else:
+            self.open_connections.add(conn)
+
+    def _schedule_connection_fault(self, conn: Any) -> None:
+        rng = self.world.rng
+        when = rng.random() * rng.choice((0.1, 2.0, 30.0))
+        what = rng.choice(("drop", "reset", "goaway", "notice", "limit", "goaway_each"))
+        if isinstance(conn, SimH1Conn) and what not in ("drop", "reset"):
+            what = "close_after"
+        if what in ("drop", "reset"):
+            self.world.after(when, lambda: self._drop_when_idle(conn, what == "reset"))
+        elif what == "goaway":
+            self.world.after(when, lambda: conn.send_goaway(conn.highest))
+        elif what == "notice":
+            def notice() -> None:
+                conn.send_goaway(andpush._H2_LAST_STREAM)
+                self.world.after(rng.random() * 2, lambda: conn.send_goaway(conn.highest))
+            self.world.after(when, notice)
+        elif what == "limit":
+            self.world.after(when, lambda: conn.settings(rng.choice((0, 1, 3, 100))))
+        elif what == "goaway_each":
+            conn.goaway_every = rng.choice((1, 2, 10))
+        elif what == "close_after":
+            conn.close_every = rng.choice((1, 2, 3))
+
+    def _drop_when_idle(self, conn: Any, reset: bool) -> None:
+        """Drop the connection; an HTTP/1.1 one once the request it processes is answered:
+        a server that closes a kept-alive connection without a byte of answer did not
+        process the request on it (the premise on which every keep-alive client resends)."""
+        if isinstance(conn, SimH1Conn) and conn.busy and not conn.closed:
+            self.world.after(0.1, lambda: self._drop_when_idle(conn, reset))
+        else:
+            conn.drop(reset)
+
+    def _idle_close(self, conn: Any, idle: float) -> None:
+        """Close the connection once it sat idle ``idle`` seconds (HTTP/2: with a GOAWAY)."""
+        def check(mark: int) -> None:
+            if conn.closed:
+                return
+            busy = conn.open if isinstance(conn, SimH2Conn) else conn.busy
+            if busy or self._activity(conn) != mark:
+                self.world.after(idle, lambda: check(self._activity(conn)))
+            elif isinstance(conn, SimH2Conn):
+                conn.send_goaway(conn.highest)
+            else:
+                conn.close()
+        self.world.after(idle, lambda: check(self._activity(conn)))
+
+    @staticmethod
+    def _activity(conn: Any) -> int:
+        return conn.streams_seen if isinstance(conn, SimH2Conn) else conn.count
+
+    def answered_on(self, conn: Any) -> None:
+        self.answered_connections.add(id(conn))
+        if isinstance(conn, SimH1Conn):
+            if conn.close_every and conn.count % conn.close_every == 0:
+                # without Connection: close, as some servers do; the FIN a little after
+                self.world.after(self.world.rng.random() * 0.002, conn.close)
+        elif conn.goaway_every and conn.streams_seen % conn.goaway_every == 0:
+            conn.send_goaway(conn.highest)
+
+    # Requests --------------------------------------------------------------------------
+
+    def handle(self, conn: Any, request: SimRequest) -> None:
+        if self.kind == "oauth":
+            self._token_request(conn, request)
+            return
+        key = sim_request_key(request) or "?"
+        authorization = request.headers.get("authorization", "")
+        token = authorization[7:] if authorization.startswith("Bearer ") else ""
+        if self.tokens.get(token, 0.0) <= self.world.now:
+            self._answer_later(conn, request, 401, _sim_error(401, "UNAUTHENTICATED"), {})
+            return
+        what = self._draw(conn, request)
+        self.world.note("%s got %s on connection %d, stream %d: %s" % (
+            self.kind, key, conn.pipe.number, request.stream_id, what))
+        if what not in ("refuse", "drop_before", "error"):  # processed, for delivery
+            self.delivered[key] = self.delivered.get(key, 0) + 1
+        self._act(conn, request, what, self._ok_body(key))
+
+    def _draw(self, conn: Any, request: SimRequest) -> str:
+        rng = self.world.rng
+        if self.stuck == "refuse_streams":
+            what = "refuse"
+        elif self.stuck == "no_answers":
+            what = "never"
+        elif self.stuck == "drop_requests":
+            what = "drop_before"
+        elif not self.bad():
+            return "ok"
+        else:
+            what = rng.choice(SIM_ANSWERS)
+        if isinstance(conn, SimH1Conn):
+            if what == "refuse":
+                what = "error"
+            elif what in ("reset_after", "drop_after", "partial") and not request.first:
+                # A server that processed a request on a reused HTTP/1.1 connection answers
+                # it: one that closes it without a byte of answer did not (the premise on
+                # which every keep-alive client resends).
+                what = "never" if rng.random() < 0.3 else "partial_sure"
+        return what
+
+    def _act(self, conn: Any, request: SimRequest, what: str, ok_body: bytes) -> None:
+        rng = self.world.rng
+        think = rng.random() * 0.02
+        if what == "ok":
+            self._answer_later(conn, request, 200, ok_body, {"content-type": "application/json"},
+                               think)
+        elif what == "late":
+            self._answer_later(conn, request, 200, ok_body, {},
+                               rng.random() * self.read_timeout * 2)
+        elif what == "never":
+            pass
+        elif what == "error":
+            status, headers = self._error()
+            code = {400: "INVALID_ARGUMENT", 404: "UNREGISTERED", 429: "QUOTA_EXCEEDED",
+                    500: "INTERNAL", 503: "UNAVAILABLE", 403: "SENDER_ID_MISMATCH"}[status]
+            self._answer_later(conn, request, status, _sim_error(status, code), headers, think)
+        elif what == "refuse":
+            self.world.after(think, lambda: conn.reset(request, 7))
+        elif what == "reset_after":
+            self.world.after(think, lambda: conn.reset(request, 2))
+        elif what in ("drop_after", "drop_before"):
+            self.world.after(think, lambda: conn.drop(rng.random() < 0.5))
+        elif what in ("partial", "partial_sure"):
+            self.world.after(think, lambda: conn.answer(request, 200, ok_body, {}, partial=True))
+
+    def _error(self) -> Tuple[int, Dict[str, str]]:
+        rng = self.world.rng
+        status = rng.choice((400, 404, 403, 429, 429, 500, 503, 503))
+        headers: Dict[str, str] = {}
+        if status in (429, 503) and rng.random() < 0.7:
+            headers["retry-after"] = rng.choice((
+                "0", "1", "3", "30", "121", "86400", "abc", "\u00b2",
+                "Sun, 06 Nov 1994 08:49:37 GMT", "Sunday, 06-Nov-94 08:49:37 GMT",
+                "Sun Nov  6 08:49:37 1994", "Fri, 01 Jan 2100 00:00:00 GMT"))
+        return status, headers
+
+    def _answer_later(self, conn: Any, request: SimRequest, status: int, body: bytes,
+                      headers: Dict[str, str], delay: float = 0.0) -> None:
+        self.world.after(delay, lambda: conn.answer(request, status, body, headers))
+
+    def _ok_body(self, key: str) -> bytes:
+        return b'{"name":"projects/%s/messages/%s"}' % (SIM_PROJECT.encode(), key.encode())
+
+    def _token_request(self, conn: Any, request: SimRequest) -> None:
+        rng = self.world.rng
+        stuck = {"no_answers": "never", "drop_requests": "drop_before"}.get(self.stuck)
+        what = stuck or "ok" if stuck or not self.bad() else rng.choice(
+            ("late", "never", "error", "invalid_grant", "garbage", "drop_before", "partial",
+             "refuse", "reset_after"))
+        if isinstance(conn, SimH1Conn) and what in ("refuse", "reset_after"):
+            what = "error"
+        if what in ("ok", "late"):
+            self.issued += 1
+            token = "at-%d" % self.issued
+            lifetime = rng.choice((3600, 3600, 310, 400))
+            self.tokens[token] = self.world.now + lifetime
+            body = json.dumps({"access_token": token, "expires_in": lifetime}).encode()
+            delay = rng.random() * 0.02 if what == "ok" else rng.random() * self.read_timeout * 2
+            self._answer_later(conn, request, 200, body, {}, delay)
+        elif what == "invalid_grant":
+            self._answer_later(conn, request, 400, b'{"error":"invalid_grant"}', {})
+        elif what == "garbage":
+            self._answer_later(conn, request, 200, b'{"token_type":"Bearer"}', {})
+        else:
+            self._act(conn, request, what, b"{}")
+
+
+def _sim_error(status: int, code: str) -> bytes:
+    return json.dumps({"error": {"code": status, "message": code, "status": code, "details": [
+        {"@type": "type.googleapis.com/google.firebase.fcm.v1.FcmError", "errorCode": code}]}}
+    ).encode()
+
+
+# The client's ends of a connection, for each driver ----------------------------------------
+
+class SimSocket:
+    """A connected non-blocking socket, as the thread driver sees one."""
+
+    _numbers = iter(range(1000, 10 ** 9))
+
+    def __init__(self, pipe: SimPipe) -> None:
+        self.pipe = pipe
+        pipe.client = self
+        self.number = next(SimSocket._numbers)
+        self.inbound = bytearray()
+        self.ended = ""      # "eof" or "reset", once the server's end arrived
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self.number
+
+    def setblocking(self, flag: bool) -> None:
+        pass
+
+    def readable(self) -> bool:
+        return bool(self.inbound or self.ended)
+
+    def deliver(self, data: bytes) -> None:
+        self.inbound += data
+        self.pipe.answered = True
+
+    def deliver_end(self, reset: bool) -> None:
+        self.ended = "reset" if reset else "eof"
+
+    def recv(self, size: int) -> bytes:
+        if self.closed:
+            raise OSError(9, "Bad file descriptor")
+        if self.inbound:
+            data = bytes(self.inbound[:size])
+            del self.inbound[:size]
+            return data
+        if self.ended == "reset":
+            raise ConnectionResetError(104, "Connection reset by peer")
+        if self.ended:
+            return b""
+        raise BlockingIOError
+
+    def send(self, data: bytes) -> int:
+        if self.closed:
+            raise OSError(9, "Bad file descriptor")
+        if self.ended == "reset" or self.pipe.server_closed and self.ended:
+            raise BrokenPipeError(32, "Broken pipe")
+        rng = self.pipe.world.rng
+        count = len(data) if len(data) < 2 or rng.random() < 0.9 else rng.randrange(1, len(data))
+        self.pipe.client_write(bytes(data[:count]))
+        return count
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pipe.client_close()
+
+
+class SimWake:
+    """The thread driver's wake-up pair, in one: a send makes the selector return."""
+
+    def __init__(self) -> None:
+        self.woken = False
+
+    def fileno(self) -> int:
+        return 3
+
+    def readable(self) -> bool:
+        return self.woken
+
+    def send(self, data: bytes) -> int:
+        self.woken = True
+        return len(data)
+
+    def recv(self, size: int) -> bytes:
+        self.woken = False
+        return b"\0"
+
+    def close(self) -> None:
+        pass
+
+
+class SimSelector:
+    """The thread driver's selector: a wait in ``select`` moves the world on until a socket is
+    ready or the timeout passes."""
+
+    def __init__(self, world: SimWorld) -> None:
+        self.world = world
+        self._keys: Dict[Any, selectors.SelectorKey] = {}
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        key = selectors.SelectorKey(fileobj, fileobj.fileno(), events, data)
+        self._keys[fileobj] = key
+        return key
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        if fileobj not in self._keys:
+            raise KeyError(fileobj)
+        return self.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._keys.pop(fileobj)
+
+    def get_key(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._keys[fileobj]
+
+    def get_map(self) -> Dict[Any, selectors.SelectorKey]:
+        return self._keys
+
+    def close(self) -> None:
+        self._keys = {}
+
+    def _ready(self) -> List[Tuple[selectors.SelectorKey, int]]:
+        ready = []
+        for fileobj, key in self._keys.items():
+            events = 0
+            if key.events & selectors.EVENT_READ and fileobj.readable():
+                events |= selectors.EVENT_READ
+            if key.events & selectors.EVENT_WRITE:
+                events |= selectors.EVENT_WRITE
+            if events:
+                ready.append((key, events))
+        return ready
+
+    def select(self, timeout: Optional[float]) -> List[Tuple[selectors.SelectorKey, int]]:
+        self.world.wait(timeout, lambda: bool(self._ready()))
+        return self._ready()
+
+
+class SimThreadDriver(andpush._ThreadDriver):
+    """The real thread driver, its sockets and selector simulated and its threads gone: the
+    run calls ``_run`` whenever the driver was handed work (``_take_over``)."""
+
+    world: SimWorld
+    network: SimNetwork
+
+    def _take_over(self, lead: bool) -> None:
+        if self._selector is None:
+            self._selector = SimSelector(self.world)  # type: ignore[assignment]
+            self._wake_r = self._wake_w = SimWake()  # type: ignore[assignment]
+            self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.current_thread()
+
+    def _turn(self) -> Optional[float]:
+        self.world.turn()
+        return super()._turn()
+
+    def _crashed(self, exc: BaseException) -> None:
+        if isinstance(exc, SimAbort):
+            raise exc
+        self.world.problem("the engine failed: %r" % exc)
+        super()._crashed(exc)
+
+    def _start_connecting(self, route: andpush._Route, count: int, generation: int) -> None:
+        for _ in range(count):
+            self._one_connect(route, generation)
+
+    def _one_connect(self, route: andpush._Route, generation: int) -> None:
+        """As _connect does on its thread: the socket (or the error) is posted to the driver;
+        a connect that neither comes up nor fails times out."""
+        settled = []
+
+        def up(pipe: SimPipe, h2: bool) -> None:
+            sock = SimSocket(pipe)
+            if settled:
+                sock.close()
+                return
+            settled.append(True)
+
+            def take() -> None:
+                if not self._connected(route, sock, h2, generation):
+                    sock.close()
+            self._post_or_close(take, sock)
+
+        def failed(error: Exception) -> None:
+            if not settled:
+                settled.append(True)
+                network_error = andpush.NetworkError(
+                    "could not connect to %r: %s" % (route, error), may_have_been_delivered=False)
+                self._connects_failed(route, network_error, generation, 1)
+
+        self.network.connect(route.origin.host, up, failed)
+        self.world.after(self._connect_timeout, lambda: failed(TimeoutError("timed out")))
+
+    def _post_or_close(self, work: Callable[[], None], sock: SimSocket) -> None:
+        try:
+            self._post(work)
+        except ValueError:  # closed meanwhile
+            sock.close()
+
+
+# The asyncio driver's world ----------------------------------------------------------------
+
+class SimSSLObject:
+    def __init__(self, h2: bool) -> None:
+        self.h2 = h2
+
+    def selected_alpn_protocol(self) -> Optional[str]:
+        return "h2" if self.h2 else "http/1.1"
+
+
+class SimTransport:
+    """An asyncio transport over a simulated connection."""
+
+    def __init__(self, loop: "SimEventLoop", pipe: SimPipe, protocol: Any, h2: bool) -> None:
+        self.loop = loop
+        self.pipe = pipe
+        pipe.client = self
+        self.protocol = protocol
+        self.ssl_object = SimSSLObject(h2)
+        self.closing = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.ssl_object if name == "ssl_object" else default
+
+    def write(self, data: bytes) -> None:
+        if not self.closing:
+            self.pipe.client_write(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self._lose(None)
+
+    def abort(self) -> None:
+        self._lose(None)
+
+    def _lose(self, exc: Optional[Exception]) -> None:
+        if not self.closing:
+            self.closing = True
+            self.pipe.client_close()
+            self.loop.call_soon(self.protocol.connection_lost, exc)
+
+    def deliver(self, data: bytes) -> None:
+        if not self.closing:
+            self.pipe.answered = True
+            self.protocol.data_received(data)
+
+    def deliver_end(self, reset: bool) -> None:
+        if self.closing:
+            return
+        if reset:
+            self._lose(ConnectionResetError(104, "Connection reset by peer"))
+        else:
+            self.protocol.eof_received()
+            self._lose(None)
+
+
+class _SimLoopSelector:
+    """What asyncio's loop waits on: a wait moves the world on until the loop has callbacks
+    to run or the timeout passes."""
+
+    def __init__(self, loop: "SimEventLoop") -> None:
+        self.loop = loop
+
+    def select(self, timeout: Optional[float]) -> List[Any]:
+        world = self.loop.world
+        world.wait(timeout, lambda: bool(self.loop._ready) or world.aborted)
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class SimEventLoop(asyncio.BaseEventLoop):
+    """An asyncio event loop on the world's clock, whose connections are simulated."""
+
+    def __init__(self, world: SimWorld, network: SimNetwork) -> None:
+        super().__init__()
+        self.world = world
+        self.network = network
+        self._selector = _SimLoopSelector(self)  # what BaseEventLoop._run_once waits on
+        self._clock_resolution = 1e-9
+
+    def time(self) -> float:
+        return self.world.now
+
+    def _process_events(self, event_list: List[Any]) -> None:
+        pass
+
+    def _write_to_self(self) -> None:
+        pass
+
+    async def create_connection(self, protocol_factory: Callable[[], Any], host: Any = None,
+                                port: Any = None, **kwargs: Any) -> Tuple[Any, Any]:
+        future = self.create_future()
+
+        def up(pipe: SimPipe, h2: bool) -> None:
+            if future.done():  # timed out meanwhile
+                pipe.client_close()
+            else:
+                future.set_result((pipe, h2))
+
+        def failed(error: Exception) -> None:
+            if not future.done():
+                future.set_exception(error)
+        self.network.connect(host, up, failed)
+        pipe, h2 = await future
+        protocol = protocol_factory()
+        transport = SimTransport(self, pipe, protocol, h2)
+        protocol.connection_made(transport)
+        return transport, protocol
+
+
+class SimAsyncDriver(andpush._AsyncDriver):
+    world: SimWorld
+
+    def _take_turn(self) -> None:
+        self.world.turn()
+        super()._take_turn()
+
+
+# One run ------------------------------------------------------------------------------------
+
+_SIM_SSL: List[ssl.SSLContext] = []
+
+
+def sim_ssl_context() -> ssl.SSLContext:
+    """One context for every run (making one costs milliseconds); no connection uses it."""
+    if not _SIM_SSL:
+        _SIM_SSL.append(ssl.create_default_context())
+    return _SIM_SSL[0]
+
+
+class SimCall:
+    """One message's life as the simulated caller saw it."""
+
+    __slots__ = ("key", "timeout", "begin", "end", "outcome", "outcomes")
+
+    def __init__(self, key: str, timeout: Optional[float] = None) -> None:
+        self.key = key
+        self.timeout = timeout
+        self.begin: Optional[float] = None  # when the engine was handed it (None: never)
+        self.end: Optional[float] = None
+        self.outcome: Any = None
+        self.outcomes = 0
+
+
+class SimBatchRecord:
+    """One push_many as its simulated consumer saw it."""
+
+    def __init__(self, items: List[Any], concurrency: int, how: str, stop_at: int) -> None:
+        self.items = items
+        self.concurrency = concurrency
+        self.how = how            # "all", "stop" / "close" after stop_at pairs, or "drop"
+        self.stop_at = stop_at
+        self.pairs: List[Tuple[Any, Any]] = []
+        self.batch: Any = None
+        self.finished = False     # the consumer saw the end (or dropped the iterator)
+        self.stopped_at: Optional[float] = None
+        self.finished_at: Optional[float] = None
+
+
+class _ProblemLog(logging.Handler):
+    def __init__(self, world: SimWorld) -> None:
+        super().__init__(logging.ERROR)
+        self.world = world
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:
+            self.world.problem("andpush logged an error: %s" % record.getMessage())
+        else:
+            self.world.note("andpush: " + record.getMessage())
+
+
+class SimThreadBatch(andpush._Batch):
+    """push_many's batch for the thread driver, its feeder and consumer simulated callers
+    (the feeder reads when room is made; the consumer takes pairs as they are ready)."""
+
+    def __init__(self, run: "SimRun", record: SimBatchRecord, make: Any, route: Any) -> None:
+        super().__init__(make, route, record.concurrency, None)
+        self.run = run
+        self.record = record
+        self._input = iter(record.items)
+        self._feeding = self._consuming = False
+
+    def _pair_ready(self) -> None:
+        if not self._consuming:
+            self._consuming = True
+            self.run.world.after(0.0, self._consume)
+
+    def _room_made(self) -> None:
+        if not self._feeding:
+            self._feeding = True
+            self.run.world.after(0.0, self.feed)
+
+    def _store(self, index: int, item: Any, outcome: Any) -> None:
+        self.run.item_ended(item, outcome)
+        super()._store(index, item, outcome)
+
+    def feed(self) -> None:
+        """_ThreadBatch.feed without the waiting: read what there is room for."""
+        self._feeding = False
+        with self._lock:
+            room = 0 if self._must_wait() else self._room_left()
+        for _ in range(room):
+            try:
+                item = next(self._input)
+            except StopIteration:
+                self._end_of_input(None)
+                return
+            if not self._prepare((item,)):
+                return
+
+    def _consume(self) -> None:
+        self._consuming = False
+        self.run.consume_ready(self.record, self._next_now)
+
+    def _next_now(self) -> Optional[Tuple[Any, Any]]:
+        """The next pair if it is there (None if not yet); StopIteration after the last."""
+        if self._handed:
+            return self._handed.popleft()
+        with self._lock:
+            return self._next_or_end()
+
+
+class SimAsyncBatch(andpush._AsyncBatch):
+    run: "SimRun"
+
+    def _store(self, index: int, item: Any, outcome: Any) -> None:
+        self.run.item_ended(item, outcome)
+        super()._store(index, item, outcome)
+
+
+class SimRun:
+    """A run of one seed under one driver: draw the world and the calls, run them to the end,
+    then check every invariant. ``run`` returns what broke (empty: nothing)."""
+
+    def __init__(self, seed: int, driver: str, **fixed: Any) -> None:
+        """Draw a run from ``seed``; ``fixed`` sets what a scripted run must have instead:
+        ``faults`` (how often FCM misbehaves), ``h2``, ``fcm`` and ``oauth`` (attributes
+        of those servers), ``options`` (of the client), ``pushes`` ((at, key, timeout)
+        each), ``batches`` ((at, size, concurrency, how, stop_at) each), ``close_early``."""
+        self.seed = seed
+        self.driver_kind = driver
+        world = self.world = SimWorld(seed * 2 + (driver == "async"))
+        rng = world.rng
+        faults = fixed.get("faults", rng.choice((0.0, 0.02, 0.1, 0.3, 0.6, 1.0)))
+        options = dict(
+            server_key=None, project_id=SIM_PROJECT, access_token=None,
+            credentials={"type": "authorized_user", "client_id": "c", "client_secret": "s",
+                         "refresh_token": "r", "token_uri": "https://%s/token" % SIM_OAUTH},
+            endpoint="https://" + SIM_FCM, ssl_context=sim_ssl_context(),
+            timeout=(rng.choice((1.0, 5.0, 10.0)), rng.choice((0.5, 5.0, 30.0))),
+            max_retries=rng.choice((0, 1, 3)), pool_size=rng.choice((1, 2, 10)),
+            keep_alive_timeout=rng.choice((5.0, 60.0)), proxy="",
+            backoff_factor=rng.choice((0.1, 0.5, 2.0)), rate_limit=None, http2=True)
+        options.update(fixed.get("options", {}))
+        self.options = options
+        self.connect_timeout, self.read_timeout = options["timeout"]
+        self.max_retries = options["max_retries"]
+        tokens: Dict[str, float] = {}
+        self.fcm = SimServer(world, "fcm", fixed.get("h2", rng.random() < 0.7), faults,
+                             tokens, self.read_timeout)
+        self.oauth = SimServer(world, "oauth", rng.random() < 0.3,
+                               faults * rng.choice((0.0, 0.3, 1.0)), tokens, self.read_timeout)
+        for server, name in ((self.fcm, "fcm"), (self.oauth, "oauth")):
+            for attribute, value in fixed.get(name, {}).items():
+                setattr(server, attribute, value)
+        self.network = SimNetwork(world, {SIM_FCM: self.fcm, SIM_OAUTH: self.oauth})
+        if rng.random() < faults * 0.3:  # FCM forgets every access token it issued
+            world.after(rng.random() * 30, tokens.clear)
+        pushes = [(rng.random() * rng.choice((0.1, 5.0, 60.0)), "p%d" % number,
+                   rng.choice((None, None, 0.5, 3.0)))
+                  for number in range(rng.choice((0, 1, 2, 5)))]
+        self.pushes: List[Tuple[float, str, Optional[float]]] = fixed.get("pushes", pushes)
+        batches = []
+        for number in range(rng.choice((0, 1, 1, 2))):
+            concurrency = rng.choice((1, 2, 3, 10))
+            size = max(0, rng.choice((concurrency - 1, concurrency, concurrency + 1,
+                                      2 * concurrency + 1, 1, 12)))
+            batches.append((rng.random() * rng.choice((0.1, 5.0)), size, concurrency,
+                            rng.choice(("all", "all", "stop", "close", "drop")),
+                            rng.randrange(0, size + 1)))
+        self.batches: List[Tuple[float, SimBatchRecord]] = [
+            (at, SimBatchRecord([{"token": "b%d-%d" % (number, i)} for i in range(size)],
+                                concurrency, how, stop_at))
+            for number, (at, size, concurrency, how, stop_at)
+            in enumerate(fixed.get("batches", batches))]
+        close_early = rng.random() * 30 if rng.random() < 0.1 else None
+        self.close_early: Optional[float] = fixed.get("close_early", close_early)
+        self.stop_after: Optional[float] = fixed.get("stop_after")  # a batch's consumer
+        # stops it this long after it began, whatever it has seen
+        self.limit_peak = options["pool_size"] + sum(r.concurrency for _, r in self.batches)
+        self.pending = len(self.pushes) + len(self.batches)
+        self.calls: Dict[str, SimCall] = {}
+        self.closed_at: Optional[float] = None
+        self._close: Callable[[], None] = lambda: None
+
+    # Running ---------------------------------------------------------------------------
+
+    def run(self) -> List[str]:
+        handler = _ProblemLog(self.world)
+        logger = logging.getLogger("andpush")
+        logger.addHandler(handler)
+        level = logger.level
+        if self.world.trace is not None:  # what the engine says, with the server's notes
+            handler.setLevel(logging.DEBUG)
+            logger.setLevel(logging.DEBUG)
+        state = random.getstate()
+        random.seed(self.seed)  # the retries' jitter
+        try:
+            if self.driver_kind == "thread":
+                self._run_threads()
+            else:
+                self._run_asyncio()
+            self._check()
+        except SimAbort as abort:
+            self.world.problem(str(abort))
+        finally:
+            random.setstate(state)
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        return self.world.problems
+
+    def _client_parts(self, driver_class: Any) -> Tuple[Any, Any, Any, Any]:
+        parts = andpush._setup(driver_class, dict(self.options))
+        driver = self.driver = parts[0]
+        driver.world = self.world
+        driver.network = self.network
+        driver.clock = SimClock(self.world)
+        return parts
+
+    def _ended(self, call: SimCall, outcome: Any) -> None:
+        self.world.note("%s ended: %r" % (call.key, outcome))
+        call.outcomes += 1
+        if call.outcomes == 1:
+            call.end, call.outcome = self.world.now, outcome
+        else:
+            self.world.problem("%s got a second outcome: %r" % (call.key, outcome))
+
+    def item_ended(self, item: Any, outcome: Any) -> None:
+        call = self.calls.get(item["token"])
+        if call is None:  # never begun: read, then stopped
+            call = self.calls[item["token"]] = SimCall(item["token"])
+        self._ended(call, outcome)
+
+    def _made(self, make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``make``, noting when the engine begins each item."""
+        def begin(item: Any) -> Any:
+            exchange = make(item)
+            call = self.calls[item["token"]] = SimCall(item["token"])
+            call.begin = self.world.now
+            return exchange
+        return begin
+
+    def _done(self) -> None:
+        """A call ended, or a batch's consumer saw its end: after the last, the client closes."""
+        self.pending -= 1
+        if self.pending == 0:
+            self.world.after(self.world.rng.random() * 2, self._close)
+
+    def _closing(self) -> None:
+        if self.closed_at is None:
+            self.closed_at = self.world.now
+
+    def _finished(self, record: SimBatchRecord) -> None:
+        record.finished, record.finished_at = True, self.world.now
+        if self.driver_kind == "thread":
+            self._done()
+
+    def consume_ready(self, record: SimBatchRecord, next_now: Callable[[], Any]) -> None:
+        """Take the pairs that are there, as the record's consumer does."""
+        while not record.finished:
+            if record.how in ("stop", "close", "drop") and len(record.pairs) == record.stop_at:
+                record.stopped_at = self.world.now
+                if record.how == "drop":
+                    record.batch.discard()
+                    self._finished(record)
+                    return
+                record.batch.stop()
+                record.how = "stopped"  # then it takes the rest, as close() would
+            try:
+                pair = next_now()
+            except (StopIteration, andpush.NetworkError):  # the end, or the client's close
+                self._finished(record)
+                return
+            if pair is None:
+                return
+            record.pairs.append(pair)
+
+    def _run_threads(self) -> None:
+        world = self.world
+        driver, api, route, retry = self._client_parts(SimThreadDriver)
+        client = andpush.Client(api, driver, route, retry)
+
+        def close() -> None:
+            self._closing()
+            client.close()
+        self._close = close
+        for at, key, timeout in self.pushes:
+            world.after(at, lambda k=key, t=timeout: self._thread_push(client, k, t))
+        for at, record in self.batches:
+            world.after(at, lambda r=record: self._thread_batch(client, r))
+        if self.close_early is not None:
+            world.after(self.close_early, close)
+        if not self.pending:
+            world.after(1.0, close)
+        me = threading.current_thread()
+        while True:
+            if driver._thread is me:
+                driver._run()
+            elif world.next_event() == math.inf:
+                break
+            else:
+                world.step()
+
+    def _thread_push(self, client: Any, key: str, timeout: Optional[float]) -> None:
+        call = self.calls[key] = SimCall(key, timeout)
+        driver = client._driver
+        exchange = client._requests.push({"token": key}, False, timeout)
+
+        def ended(done: Any) -> None:
+            self._ended(call, done.outcome)
+            self._done()
+        exchange.on_done = ended
+        try:
+            driver._post(lambda: driver._arrive(exchange))
+        except ValueError:  # the client was closed: nothing begun
+            ended(exchange)
+            call.outcome = None
+            return
+        call.begin = self.world.now
+
+    def _thread_batch(self, client: Any, record: SimBatchRecord) -> None:
+        make = self._made(lambda m: client._requests.exchange(m, False))
+        batch = record.batch = SimThreadBatch(self, record, make, client._requests.route)
+        try:
+            client._driver.add_batch(batch)
+        except ValueError:  # the client was closed
+            self._finished(record)
+            return
+        if self.stop_after is not None:
+            self.world.after(self.stop_after, lambda: self._stop(record))
+        batch.feed()
+
+    def _stop(self, record: SimBatchRecord) -> None:
+        """The consumer stops the batch (then takes the rest, as close() does)."""
+        if record.stopped_at is None and not record.finished:
+            record.stopped_at = self.world.now
+            record.how = "stopped"
+            record.batch.stop()
+
+    # The asyncio driver -----------------------------------------------------------------
+
+    def _run_asyncio(self) -> None:
+        loop = self.loop = SimEventLoop(self.world, self.network)
+        driver, api, route, retry = self._client_parts(SimAsyncDriver)
+        client = andpush.AsyncClient(api, driver, route, retry)
+
+        def close() -> None:
+            self._closing()
+            loop.create_task(client.aclose())
+        self._close = close
+        try:
+            loop.run_until_complete(self._scenario(client))
+            if any(not task.done() for task in asyncio.all_tasks(loop)):
+                self.world.problem("tasks left after the client closed: %r"
+                                   % [t for t in asyncio.all_tasks(loop) if not t.done()])
+        finally:
+            self.world.aborted = True
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+
+            async def wind_down() -> None:
+                await asyncio.gather(*tasks, return_exceptions=True)
+            if tasks:
+                loop.run_until_complete(wind_down())
+            loop.close()
+
+    async def _scenario(self, client: Any) -> None:
+        tasks = [asyncio.ensure_future(self._async_push(client, *push)) for push in self.pushes]
+        tasks += [asyncio.ensure_future(self._async_batch(client, at, record))
+                  for at, record in self.batches]
+        if self.close_early is not None:
+            self.loop.call_later(self.close_early, self._close)
+        await asyncio.gather(*tasks)
+        await asyncio.sleep(self.world.rng.random() * 2)
+        self._closing()
+        await client.aclose()
+
+    async def _async_push(self, client: Any, at: float, key: str,
+                          timeout: Optional[float]) -> None:
+        await asyncio.sleep(at)
+        call = self.calls[key] = SimCall(key, timeout)
+        call.begin = self.world.now
+        try:
+            outcome: Any = await client.push({"token": key}, timeout=timeout)
+        except ValueError:  # the client was closed: nothing begun
+            call.begin = None
+            outcome = None
+        except andpush.Error as error:
+            outcome = error
+        self._ended(call, outcome)
+
+    async def _async_batch(self, client: Any, at: float, record: SimBatchRecord) -> None:
+        await asyncio.sleep(at)
+        driver = client._driver
+        try:
+            event_loop = driver.bind()
+        except ValueError:  # the client was closed
+            self._finished(record)
+            return
+        make = self._made(lambda m: client._requests.exchange(m, False))
+        batch = record.batch = SimAsyncBatch(record.items, make, client._requests.route,
+                                             record.concurrency, None, client._find_project)
+        batch.run = self
+        driver.add_batch(batch)
+        batch.start(event_loop)
+        outcomes = andpush._AsyncOutcomes(batch)
+        if self.stop_after is not None:
+            self.loop.call_later(self.stop_after, self._stop, record)
+        while True:
+            if record.how in ("stop", "close", "drop") and len(record.pairs) == record.stop_at:
+                record.stopped_at = self.world.now
+                if record.how == "drop":
+                    batch.discard()
+                    break
+                if record.how == "close":
+                    record.pairs.extend(await outcomes.aclose())
+                    break
+                outcomes.stop()
+                record.how = "stopped"
+            try:
+                record.pairs.append(await outcomes.__anext__())
+            except StopAsyncIteration:
+                break
+            except andpush.NetworkError:  # reading ended by the client's close
+                break
+        self._finished(record)
+
+    # Checking ----------------------------------------------------------------------------
+
+    def bound(self, call: SimCall) -> float:
+        """The most a call may take, by the liveness contract: per try, the wait to go out and
+        the wait for the answer; a backoff before each retry and the 429 pause before each
+        try, each at most _MAX_RETRY_WAIT; one more try after refreshing an access token."""
+        send = self.connect_timeout if call.timeout is None else call.timeout
+        answer = self.read_timeout if call.timeout is None else call.timeout
+        tries = self.max_retries + 2
+        return (tries * (send + answer + andpush._MAX_RETRY_WAIT)
+                + self.max_retries * andpush._MAX_RETRY_WAIT + 1.0)
+
+    def _written(self, key: str) -> bool:
+        return any(sim_request_key(request) == key
+                   for pipe in self.network.pipes if pipe.server is not None
+                   and pipe.server.server is self.fcm for request in sim_requests_written(pipe))
+
+    def _check(self) -> None:
+        problem = self.world.problem
+        for key, call in sorted(self.calls.items()):
+            if call.outcomes != 1:
+                problem("%s got %d outcomes" % (key, call.outcomes))
+                continue
+            outcome = call.outcome
+            delivered = self.fcm.delivered.get(key, 0)
+            if delivered > 1:
+                problem("%s was processed %d times" % (key, delivered))
+            if outcome is None:
+                if delivered:
+                    problem("%s was never begun, yet processed" % key)
+                continue
+            if isinstance(outcome, andpush.Response):
+                if not delivered:
+                    problem("%s succeeded without being processed" % key)
+            elif isinstance(outcome, andpush.NetworkError):
+                if not outcome.may_have_been_delivered and delivered:
+                    problem("%s says it was not delivered, but it was processed: %s"
+                            % (key, outcome))
+                if outcome.may_have_been_delivered and not delivered and not self._written(key):
+                    problem("%s never left the client, yet says it may have been delivered: %s"
+                            % (key, outcome))
+            elif delivered:
+                problem("%s was processed, yet ended in %r" % (key, outcome))
+            if call.begin is not None and call.end is not None:
+                took = call.end - call.begin
+                if took > self.bound(call) and not (
+                        self.closed_at is not None and call.end <= self.closed_at + 1.0):
+                    problem("%s took %.1f s, over its bound of %.1f s (%r)"
+                            % (key, took, self.bound(call), outcome))
+        for _, record in self.batches:
+            taken = record.batch._read if record.batch is not None else 0
+            for (item, _), original in zip(record.pairs, record.items):
+                if item is not original:
+                    problem("a pair of push_many holds another item than the input's, in order")
+                    break
+            if record.how != "drop" and record.batch is not None and len(record.pairs) != taken:
+                problem("push_many read %d items and gave %d pairs" % (taken, len(record.pairs)))
+            for item, outcome in record.pairs:
+                call = self.calls.get(item["token"])
+                if call is None or call.outcome is not outcome:
+                    problem("the pair of %s holds another outcome than the one it ended with"
+                            % item["token"])
+        duration = self.world.now - SIM_START
+        tries = len(self.calls) * (self.max_retries + 2)
+        for server in (self.fcm, self.oauth):
+            # No storm: a round of failed connects opens at most the route's limit, the
+            # hold-off that follows doubles up to 30 s, and a try costs one connection more.
+            wasted = server.connections - len(server.answered_connections)
+            most = (self.limit_peak + 1) * (8 + duration / 30) + tries * (
+                1 + (server is self.oauth) * andpush._TOKEN_RETRIES)
+            if wasted > most:
+                problem("%d connections to %s carried no answer (at most %d in %.0f s)"
+                        % (wasted, server.kind, most, duration))
+        self._check_nothing_left()
+
+    def _check_nothing_left(self) -> None:
+        driver = self.driver
+        if driver._has_work():
+            self.world.problem("the engine still holds work after the client closed")
+        if self.driver_kind == "thread" and (driver._selector is not None
+                                             or driver._thread is not None):
+            self.world.problem("the thread driver did not park after the client closed")
+        for pipe in self.network.pipes:
+            if not pipe.client_closed:
+                self.world.problem("a connection was left open after the client closed")
+                break
+
+
+def simulate(seeds: Iterable[int], drivers: Sequence[str] = SIM_DRIVERS,
+             first: bool = False) -> List[str]:
+    """Run each seed under each driver; a line per failed run, with its replay command
+    (``first``: stop at the first)."""
+    failures = []
+    for seed in seeds:
+        for driver in drivers:
+            problems = SimRun(seed, driver).run()
+            if problems:
+                failures.append("seed %d, %s driver: %s\n    replay: python test_andpush.py "
+                                "--simulate 1 --seed %d --driver %s --trace"
+                                % (seed, driver, "; ".join(problems[:3]), seed, driver))
+                if first:
+                    return failures
+    return failures
+
+
+def simulate_main(argv: List[str]) -> int:
+    """``python test_andpush.py --simulate N [--seed S] [--driver D] [--trace]``: run N seeds
+    from S (each under each driver, or D's alone); with --trace, print what happened."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="test_andpush.py", description=simulate_main.__doc__)
+    parser.add_argument("--simulate", type=int, metavar="N", required=True)
+    parser.add_argument("--seed", type=int, default=0, metavar="S")
+    parser.add_argument("--driver", choices=SIM_DRIVERS)
+    parser.add_argument("--trace", action="store_true")
+    args = parser.parse_args(argv)
+    drivers = (args.driver,) if args.driver else SIM_DRIVERS
+    started = time.perf_counter()
+    if args.trace:
+        for seed in range(args.seed, args.seed + args.simulate):
+            for driver in drivers:
+                run = SimRun(seed, driver)
+                run.world.trace = []
+                problems = run.run()
+                print("\n".join(run.world.trace + problems or ["seed %d: ok" % seed]))
+        return 0
+    failures = simulate(range(args.seed, args.seed + args.simulate), drivers)
+    print("\n".join(failures[:20]))
+    print("%d of %d runs broke an invariant, in %.1f s"
+          % (len(failures), args.simulate * len(drivers), time.perf_counter() - started))
+    return 1 if failures else 0
+
+
+SIM_SUITE_SEEDS = 500  # seeds the suite runs, each under both drivers: 1,000 schedules
+SIM_FIND_WITHIN = 100  # seeds within which the simulation must find a broken engine
+
+
+def scripted(driver: str, **fixed: Any) -> SimRun:
+    """A scripted run (seed 1, under ``driver``), run to its end: its ``problems`` say
+    which invariants it broke."""
+    run = SimRun(1, driver, **fixed)
+    run.problems = run.run()
+    return run
+
+
+class SimulationTest(unittest.TestCase):
+    """The engine under seeded schedules of faults, on both drivers and both protocols:
+    every invariant of SimRun._check holds in every run."""
+
+    def test_every_invariant_holds_under_random_schedules(self) -> None:
+        failures = simulate(range(SIM_SUITE_SEEDS))
+        self.assertEqual(failures, [], "\n" + "\n".join(failures))
+
+    def test_a_run_is_a_function_of_its_seed(self) -> None:
+        for driver in SIM_DRIVERS:
+            traces = []
+            for _ in range(2):
+                run = SimRun(12, driver, faults=0.3, pushes=[(0.0, "p0", None), (1.0, "p1", 3.0)],
+                             batches=[(0.5, 10, 3, "all", 0)])
+                run.world.trace = []
+                run.run()
+                traces.append(run.world.trace)
+            self.assertGreater(len(traces[0]), 10)
+            self.assertEqual(traces[0], traces[1])
+
+    def test_an_engine_broken_on_purpose_is_found_within_a_few_seeds(self) -> None:
+        """The harness looks: each of these faults of the engine breaks an invariant."""
+        retryable = andpush._Retry._retryable
+        table = {
+            "a request that may have been delivered is sent again": (
+                andpush._Retry, "_retryable",
+                lambda retry, error: isinstance(error, andpush.NetworkError)
+                or retryable(retry, error)),
+            "a lost stream counts as not processed": (
+                andpush._H2Connection, "may_have_arrived", lambda conn, stream: False),
+            "more streams than the server allows": (
+                andpush._H2Connection, "free_streams",
+                property(lambda conn: 100 - len(conn.streams) if conn.state == "OPEN" else 0)),
+            "a request waiting to go out has no deadline": (
+                andpush._Engine, "_expire_waiting", lambda engine, route, now: None),
+        }
+        for name, (owner, attribute, broken) in table.items():
+            with self.subTest(name), unittest.mock.patch.object(owner, attribute, broken):
+                self.assertTrue(simulate(range(SIM_FIND_WITHIN), first=True),
+                                "the simulation did not find it")
+
+
+def outcomes_in(run: SimRun, prefix: str) -> List[Any]:
+    """The outcomes of a run's calls whose keys start with ``prefix``, in key order."""
+    return [call.outcome for key, call in sorted(run.calls.items(), key=lambda kv: (
+        len(kv[0]), kv[0])) if key.startswith(prefix)]
+
+
+def not_sent(outcome: object, saying: str = "") -> bool:
+    return (isinstance(outcome, andpush.NetworkError) and not outcome.may_have_been_delivered
+            and saying in str(outcome))
+
+
+class LivenessTest(unittest.TestCase):
+    """Every call ends within the bound its options give, whatever the server sends or
+    withholds: the cases the liveness issue found, each a scripted simulation on both
+    drivers (which checks every invariant of SimRun._check as well)."""
+
+    SLOW = dict(timeout=(0.5, 0.5), max_retries=1)
+
+    def runs(self, **fixed: Any) -> List[SimRun]:
+        """The scripted run under each driver, each of which broke no invariant."""
+        runs = []
+        for driver in SIM_DRIVERS:
+            run = scripted(driver, **fixed)
+            self.assertEqual(run.problems, [], driver)
+            runs.append(run)
+        return runs
+
+    def test_push_many_over_http2_ends_when_the_server_stops_answering(self) -> None:
+        for run in self.runs(h2=True, faults=0.0, fcm={"stuck": "no_answers", "limit": 100},
+                             options=self.SLOW, pushes=[], batches=[(0.0, 20, 10, "all", 0)]):
+            outcomes = outcomes_in(run, "b0-")
+            self.assertEqual(len(outcomes), 20)
+            self.assertTrue(all(isinstance(o, andpush.NetworkError)
+                                and o.may_have_been_delivered for o in outcomes))
+            for outcome, call in zip(outcomes, [run.calls["b0-%d" % i] for i in range(20)]):
+                assert call.end is not None and call.begin is not None
+                self.assertLess(call.end - call.begin, 0.5 + 0.5 + 0.01)  # one try each
+            record = run.batches[0][1]
+            assert record.finished_at is not None
+            self.assertLess(record.finished_at - SIM_START, 3.0)  # the ten after the first ten
+
+    def test_a_server_that_never_sends_its_settings_fails_each_try_unsent(self) -> None:
+        for run in self.runs(h2=True, faults=0.0,
+                             fcm={"settings": "none", "settings_share": 1.0},
+                             options=self.SLOW, pushes=[(0.0, "p0", None)],
+                             batches=[(0.0, 30, 10, "all", 0)]):
+            outcomes = outcomes_in(run, "")
+            self.assertEqual(len(outcomes), 31)
+            self.assertTrue(all(not_sent(o) for o in outcomes))
+
+    def test_a_server_that_takes_h2_and_answers_http11_gets_a_few_connects(self) -> None:
+        for run in self.runs(h2=True, faults=0.0,
+                             fcm={"settings": "garbage", "settings_share": 1.0},
+                             options=self.SLOW, pushes=[(0.0, "p0", None)],
+                             batches=[(0.0, 20, 10, "all", 0)]):
+            self.assertTrue(all(not_sent(o) for o in outcomes_in(run, "")))
+            self.assertLessEqual(run.fcm.connections, 4)  # a try each, held off between
+
+    def test_a_server_that_allows_no_stream_fails_each_try_unsent_on_one_connection(
+            self) -> None:
+        for run in self.runs(h2=True, faults=0.0, fcm={"limit": 0}, options=self.SLOW,
+                             pushes=[(0.0, "p0", None)], batches=[(0.0, 20, 10, "all", 0)]):
+            self.assertTrue(all(not_sent(o, "had room") for o in outcomes_in(run, "")))
+            self.assertEqual(run.fcm.connections, 1)
+
+    def test_a_429_asking_for_more_than_the_longest_wait_ends_the_retries_at_once(
+            self) -> None:
+        error = andpush.QuotaExceededError(response(429, {}, Retry_After="121"))
+        self.assertIsNone(andpush._Retry(3, 0.5).after(error))
+        error = andpush.QuotaExceededError(response(429, {}, Retry_After="120"))
+        self.assertIsNotNone(andpush._Retry(3, 0.5).after(error))
+
+    def test_a_token_endpoint_that_closes_the_connection_leaves_every_push_unsent(
+            self) -> None:
+        for run in self.runs(faults=0.0, oauth={"stuck": "drop_requests"},
+                             options=self.SLOW, pushes=[(0.0, "p0", None)],
+                             batches=[(0.0, 5, 2, "all", 0)]):
+            outcomes = outcomes_in(run, "")
+            self.assertEqual(len(outcomes), 6)
+            self.assertTrue(all(not_sent(o, "access token") for o in outcomes), outcomes)
+
+    def test_the_calls_timeout_bounds_its_wait_for_an_access_token(self) -> None:
+        for run in self.runs(faults=0.0, oauth={"stuck": "no_answers"},
+                             options=dict(timeout=(10.0, 30.0), max_retries=0),
+                             pushes=[(0.0, "p0", 2.0)], batches=[]):
+            call = run.calls["p0"]
+            self.assertTrue(not_sent(call.outcome, "access token"), call.outcome)
+            assert call.end is not None and call.begin is not None
+            self.assertLess(call.end - call.begin, 2 + 2 + 0.01)  # one try: out, answer
+
+    def test_stopping_a_push_many_writes_nothing_more(self) -> None:
+        for run in self.runs(h2=True, faults=0.0, fcm={"stuck": "no_answers", "limit": 100},
+                             options=dict(timeout=(1.0, 5.0), max_retries=1), pushes=[],
+                             batches=[(0.0, 200, 50, "all", 0)], stop_after=1.0):
+            record = run.batches[0][1]
+            assert record.stopped_at is not None and record.finished_at is not None
+            self.assertLessEqual(record.finished_at - record.stopped_at, 5.0 + 0.01)
+            self.assertLessEqual(len(run.fcm.delivered), 50)  # those on the wire at the stop
+            outcomes = [outcome for _, outcome in record.pairs]
+            self.assertEqual(len(outcomes), record.batch._read)
+            stopped = [o for o in outcomes if isinstance(o, andpush._Stopped)]
+            self.assertEqual(len(stopped), len(outcomes) - len(run.fcm.delivered))
+
+    def test_a_request_a_reused_connection_failed_goes_out_on_a_new_one(self) -> None:
+        for run in self.runs(h2=False, faults=0.0, fcm={"close_every": 3},
+                             options=dict(max_retries=0), pushes=[],
+                             batches=[(0.0, 300, 3, "all", 0)]):
+            outcomes = outcomes_in(run, "b0-")
+            self.assertEqual(len(outcomes), 300)
+            failed = [o for o in outcomes if not isinstance(o, andpush.Response)]
+            self.assertEqual(failed, [])
+
 
 if __name__ == "__main__":
+    if "--simulate" in sys.argv:
+        sys.exit(simulate_main(sys.argv[1:]))
     unittest.main()
