@@ -4021,6 +4021,7 @@ _MIN_RSA_BITS = 1024  # Google issues 2048-bit keys; anything smaller is broken 
 _PEM_BEGIN = "-----BEGIN "
 _PEM_END = "-----END "
 _PEM_DASHES = "-----"
+_PEM_LABEL = r"(?=.{1,40}\Z)[A-Z0-9]+(?:[ -][A-Z0-9]+)*\Z"  # "RSA PRIVATE KEY": RFC 7468
 _PKCS8_LABEL = "PRIVATE KEY"
 _PKCS1_LABEL = "RSA PRIVATE KEY"
 _FIX_HINT = "use the private_key value from the service account JSON file unchanged"
@@ -4188,14 +4189,19 @@ def _pem_decode(pem: str) -> Tuple[str, bytes]:
     lines = [line.strip() for line in pem.splitlines()]
     begins = [index for index, line in enumerate(lines) if line.startswith(_PEM_BEGIN)]
     first = lines[begins[0]] if begins else ""
-    if not first.endswith(_PEM_DASHES):
-        hint = " (it has literal '\\n' sequences: decode the JSON string)" if "\\n" in pem else ""
-        raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
     label = first[len(_PEM_BEGIN) : -len(_PEM_DASHES)]
+    if not first.endswith(_PEM_DASHES) or not re.match(_PEM_LABEL, label):
+        if "\\n" in pem:
+            hint = " (it has literal '\\n' sequences: decode the JSON string)"
+        elif first:  # the key runs on after the BEGIN line: never shown, as the label
+            hint = " (its BEGIN line runs on into the key: are its line breaks missing?)"
+        else:
+            hint = ""
+        raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
     if label in _WRONG_LABELS:
         raise ValueError(f"private_key {_WRONG_LABELS[label]}")
     if label not in (_PKCS8_LABEL, _PKCS1_LABEL):
-        raise ValueError(f"private_key has unsupported PEM type {label[:40]!r}; {_FIX_HINT}")
+        raise ValueError(f"private_key has unsupported PEM type {label!r}; {_FIX_HINT}")
     if len(begins) > 1:
         raise ValueError("private_key holds more than one PEM block; pass only the private key")
     end_line = f"{_PEM_END}{label}{_PEM_DASHES}"
@@ -4435,8 +4441,11 @@ def _is_header_token(token: str) -> bool:
 
 def _field(info: Dict[str, Any], name: str) -> str:
     value = info.get(name)
-    if not isinstance(value, str) or not value:
+    if value is None or value == "":
         raise AuthError("credentials have no %r; use the JSON key file as downloaded" % name)
+    if not isinstance(value, str):
+        raise AuthError("the %r of the credentials is %s, not a string; use the JSON key file "
+                        "as downloaded" % (name, type(value).__name__))
     return value
 
 
@@ -4567,12 +4576,24 @@ class _TokenCache:
         return token
 
 
-def _load_credentials(source: object, engine: _Engine) -> _Credentials:
-    """Credentials from a key file path, a dict, or a JSON string."""
+_CREDENTIALS_TYPE = r"[a-z][a-z_]{0,39}\Z"  # what Google's key files say: service_account
+_NAME_MAX = 255   # characters in the longest file name of the common file systems
+_PATH_MAX = 4096  # characters in the longest path Linux takes
+_EXTENSION = r"\.[A-Za-z0-9]{1,5}\Z"  # .json, .key: what ends the name of a file
+_CONTROL_CHARACTER = r"[\x00-\x1f\x7f]"
+_BASE64_TEXT = r"(?:[A-Za-z0-9+/]+|[A-Za-z0-9_-]+)=*\Z"  # base64 or base64url, line breaks gone
+_MIN_BASE64_BLOB = 64  # characters of base64 from which a string is not taken for a path
+_TAKE_FULL_KEY_FILE = "pass the whole service account JSON key file (its path, its text or " \
+    "a dict), which holds the key with the client_email it belongs to"
+
+
+def _load_credentials(source: object, engine: _Engine, name: str = "credentials=") -> _Credentials:
+    """Credentials from a key file path, a dict, or a JSON string (``name`` says where
+    they came from, for the errors)."""
     if isinstance(source, dict):
         info = source
     elif isinstance(source, (str, os.PathLike)):
-        info = _read_json_credentials(source)
+        info = _read_json_credentials(source, name)
     else:
         raise TypeError(
             "credentials must be a path, a dict or a JSON string, got %s" % type(source).__name__
@@ -4582,36 +4603,114 @@ def _load_credentials(source: object, engine: _Engine) -> _Credentials:
         return _ServiceAccount(info, engine)
     if kind == "authorized_user":
         return _AuthorizedUser(info, engine)
-    raise AuthError(
-        "credentials of type %r are not supported; use a service account key file "
-        "or gcloud's application default credentials" % (kind,)
-    )
+    if kind is None:
+        problem = "credentials have no 'type'"
+    elif isinstance(kind, str) and re.match(_CREDENTIALS_TYPE, kind):
+        problem = "credentials of type %r are not supported" % kind
+    else:  # not shown: it may be anything, a key included
+        problem = "credentials of an unknown type are not supported"
+    raise AuthError(problem + "; use a service account key file or gcloud's application "
+                    "default credentials")
 
 
-def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+def _read_json_credentials(source: Union[str, "os.PathLike[str]"], name: str) -> Dict[str, Any]:
+    """The JSON object that ``source`` is, or that the file it names holds.
+
+    A string that names no readable file is shown back only when it has the shape of a
+    path (``_looks_like_path``); otherwise it is described by its shape and length, since
+    it may be key material: a pasted key, base64 of a key file, a token. The errors are
+    raised outside the ``except`` blocks, so that no exception chained to them (an
+    OSError's filename, a JSONDecodeError's document) holds the string either.
+    """
     text = str(source)
-    what = "credentials"
-    if text.lstrip()[:1] not in ("{", "["):
-        what = "credentials file %r" % text
-        try:
-            with open(source, encoding="utf-8") as file:
-                text = file.read()
-        except OSError as exc:
-            raise AuthError("cannot read %s: %s" % (what, exc.strerror or exc)) from None
+    if text.lstrip()[:1] in ("{", "["):
+        return _parse_json_credentials(text, name.rstrip("="))
+    problem, is_path = None, True
+    try:
+        with open(source, encoding="utf-8") as file:
+            contents = file.read()
+    except UnicodeDecodeError:  # a file, but not text: a .p12 key?
+        problem = "it is not UTF-8 text, as a JSON key file is"
+    except (OSError, ValueError) as exc:  # ValueError: a NUL character, which no path holds
+        problem = getattr(exc, "strerror", None) or "it cannot be opened"
+        is_path = isinstance(source, os.PathLike) or _looks_like_path(text)
+    if problem is None:
+        return _parse_json_credentials(contents, "credentials file %r" % text)
+    if is_path:
+        raise AuthError("cannot read credentials file %r: %s" % (text, problem))
+    hint = _shape_hint(text)
+    if not hint:
+        hint = ("it holds line breaks, as no path does: " if "\n" in text else "") \
+            + _TAKE_FULL_KEY_FILE
+    raise AuthError("%s is a string of %s characters that is neither JSON nor the path of a "
+                    "file; %s" % (name, format(len(text), ","), hint))
+
+
+def _parse_json_credentials(text: str, what: str) -> Dict[str, Any]:
     try:
         info = json.loads(text)
     except ValueError:
-        raise AuthError("%s is not JSON; use the key file as downloaded" % what) from None
+        info = None
+    if info is None:
+        raise AuthError("%s is not JSON; %s" % (what, _shape_hint(text) or
+                                                 "use the key file as downloaded"))
     if not isinstance(info, dict):
         raise AuthError("%s is not a JSON object; use the key file as downloaded" % what)
     return info
+
+
+def _looks_like_path(text: str) -> bool:
+    """Whether a string may be shown back as the path it was meant to be: no control
+    character or line break, no part longer than a file name can be, not PEM or base64
+    text, and either a name with an extension (``key.json``) or a path whose folder
+    exists (``/run/secrets/fcm``). A token or key pasted by mistake is none of these."""
+    parts = re.split(r"[/\\]", text)
+    if (len(text) > _PATH_MAX or re.search(_CONTROL_CHARACTER, text)
+            or max(len(part) for part in parts) > _NAME_MAX
+            or _PEM_BEGIN in text or _base64_payload(text) is not None):
+        return False
+    if re.search(_EXTENSION, parts[-1]):
+        return True
+    return len(parts) > 1 and os.path.isdir(os.path.dirname(text))
+
+
+def _base64_payload(text: str) -> Optional[bytes]:
+    """What a string decodes to if it is base64 (or base64url) text, perhaps with line
+    breaks as ``base64`` writes them; None if it is not, or is too short to tell."""
+    compact = "".join(text.split())
+    if len(compact) < 16 or not re.match(_BASE64_TEXT, compact):
+        return None
+    digits = compact.rstrip("=").replace("+", "-").replace("/", "_")
+    try:
+        payload = base64.urlsafe_b64decode(digits + "=" * (-len(digits) % 4))
+    except (binascii.Error, ValueError):
+        return None
+    known = payload.lstrip()[:1] == b"{" or payload.startswith((b"-----BEGIN", b"\x30\x82"))
+    return payload if known or len(compact) >= _MIN_BASE64_BLOB else None
+
+
+def _shape_hint(text: str) -> str:
+    """What credentials text that is no key file looks like, and what to pass instead
+    (empty: nothing to tell); it says nothing of the text but its shape."""
+    payload = _base64_payload(text)
+    if _PEM_BEGIN in text:
+        return "it holds a PEM block, which is only a part of a key file: " + _TAKE_FULL_KEY_FILE
+    if payload is not None and payload.lstrip()[:1] == b"{":
+        return "it looks like base64 of a key file: decode it (base64.b64decode) and pass " \
+            "the JSON, or pass the file's path"
+    if payload is not None and payload.startswith((b"-----BEGIN", b"\x30\x82")):
+        return "it looks like base64 of a private key, which is only a part of a key file: " \
+            + _TAKE_FULL_KEY_FILE
+    if payload is not None:
+        return "it looks like base64 of something else than a key file: " + _TAKE_FULL_KEY_FILE
+    return ""
 
 
 def _application_default_credentials(engine: _Engine) -> _Credentials:
     """Application Default Credentials, looked up in the order Google's libraries use."""
     path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     if path:
-        return _load_credentials(path, engine)
+        return _load_credentials(path, engine, "GOOGLE_APPLICATION_CREDENTIALS")
     tried = ["GOOGLE_APPLICATION_CREDENTIALS (not set)"]
     gcloud = os.path.join(_gcloud_config_dir(), "application_default_credentials.json")
     if os.path.exists(gcloud):

@@ -4416,6 +4416,260 @@ class BrokenCredentialsTest(unittest.TestCase):
                 self.assertNotIn("MII", str(caught.exception))
 
 
+FRAGMENT = 16  # characters: a run this long of a secret's text is a leak (96 bits of base64)
+
+
+def fragments(*secrets: str) -> Set[str]:
+    """Every run of FRAGMENT characters of the secrets, as they are written and with their
+    line breaks (and JSON's written-out ones) dropped, as a message might join them."""
+    runs = set()
+    for secret in secrets:
+        for text in (secret, squeezed(secret)):
+            runs.update(text[i:i + FRAGMENT] for i in range(len(text) - FRAGMENT + 1))
+    return runs
+
+
+def squeezed(text: str) -> str:
+    return re.sub(r"\s+|\\n", "", text)
+
+
+def leaks(text: str, secret_runs: Set[str]) -> List[str]:
+    """The runs of secret text in ``text`` (as written, and squeezed)."""
+    found = []
+    for candidate in (text, squeezed(text)):
+        found.extend(candidate[i:i + FRAGMENT] for i in range(len(candidate) - FRAGMENT + 1)
+                     if candidate[i:i + FRAGMENT] in secret_runs)
+    return found
+
+
+def exception_texts(exc: BaseException) -> List[str]:
+    """What an error tracker or a log can show of an exception: its message, repr, args and
+    traceback, and the same of every exception chained to it, suppressed ones too."""
+    texts = []
+    seen: Set[int] = set()
+    pending: List[Optional[BaseException]] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        texts += [str(current), repr(current), repr(current.args)]
+        texts += traceback.format_exception(type(current), current, current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+    return texts
+
+
+def pem_body(pem: str) -> str:
+    """The base64 of a PEM block, without its BEGIN and END lines (which are no secret)."""
+    return "\n".join(pem.strip().splitlines()[1:-1])
+
+
+def private_numbers() -> List[str]:
+    key = andpush._parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+    numbers = [key.d, key.p, key.q, key.dp, key.dq, key.qinv]
+    return ["%d" % n for n in numbers] + ["%x" % n for n in numbers] + ["%X" % n for n in numbers]
+
+
+class NoSecretInErrorsTest(unittest.TestCase):
+    """Every error of credentials and token handling, given the real test key in the ways
+    people get it wrong, shows no run of FRAGMENT characters of it: not of the PEM body (as
+    PKCS#8 or PKCS#1; its BEGIN and END lines are no secret), of the base64 of the key file,
+    of the key's private numbers, of the signed JWT, of an access token or of a refresh token
+    and client secret. The client_email and private_key_id are not secret (the key id goes
+    out in the clear in every JWT's header, and Google publishes the certificate under it),
+    so they may be named."""
+
+    def setUp(self) -> None:
+        self.server = FakeGoogle().start()
+        self.addCleanup(self.server.close)
+        self.folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.folder)
+        self.info = service_account_info(self.server)
+        self.key_file = json.dumps(self.info, indent=2)
+        self.encoded = base64.b64encode(self.key_file.encode()).decode()
+        self.secrets = [pem_body(TEST_RSA_KEY_PKCS8_PEM), pem_body(TEST_RSA_KEY_PKCS1_PEM),
+                        self.encoded,
+                        base64.urlsafe_b64encode(self.key_file.encode()).decode(),
+                        base64.b64encode(TEST_RSA_KEY_PKCS8_PEM.encode()).decode(),
+                        "cs-0123456789abcdef", self.server.refresh_token] + private_numbers()
+
+    def assert_no_secret(self, texts: Iterable[str], *more_secrets: str) -> None:
+        secret_runs = fragments(*(self.secrets + list(more_secrets)))
+        for text in texts:
+            self.assertEqual(leaks(text, secret_runs), [], text)
+
+    def bad_credentials(self) -> List[Tuple[str, Any]]:
+        pem = TEST_RSA_KEY_PKCS8_PEM
+        lines = pem.splitlines()
+        body = lines[1:-1]
+        half = "\n".join(lines[: len(lines) // 2] + lines[-1:]) + "\n"
+        middle = len(pem) // 2
+        der = base64.b64decode("".join(body))
+        return [
+            ("base64 of the key file", self.encoded),
+            ("base64url of the key file", base64.urlsafe_b64encode(self.key_file.encode())
+             .decode().rstrip("=")),
+            ("base64 of the key file, in lines", base64.encodebytes(self.key_file.encode())
+             .decode()),
+            ("the bare PEM", pem),
+            ("the bare PKCS#1 PEM", TEST_RSA_KEY_PKCS1_PEM),
+            ("the PEM body on one line", "".join(body)),
+            ("the PEM body in lines", "\n".join(body)),
+            ("the key file cut short", self.key_file[: len(self.key_file) // 2]),
+            ("the key file and more", self.key_file + "\n" + pem),
+            ("the key file in a list", "[%s]" % self.key_file),
+            ("the key file without a type", dict(self.info, type=None)),
+            ("the key as the type", dict(self.info, type=pem)),
+            ("the key as an unknown type", dict(self.info, type="".join(body)[:40])),
+            ("a key on one line", dict(self.info, private_key=pem.replace("\n", " "))),
+            ("a key whose BEGIN line runs on", dict(self.info, private_key=pem.replace(
+                "-----\n", "-----", 1))),
+            ("a key with written-out line breaks", dict(
+                self.info, private_key=pem.replace("\n", "\\n"))),
+            ("a key with written-out line breaks, none at the end", dict(
+                self.info, private_key=pem.replace("\n", "\\n")[:-2])),
+            ("a key cut short", dict(self.info, private_key=half)),
+            ("a key with one character changed", dict(
+                self.info, private_key=pem[:middle] + ("A" if pem[middle] != "A" else "B")
+                + pem[middle + 1:])),
+            ("a key with a character that is not base64", dict(
+                self.info, private_key=pem[:middle] + "*" + pem[middle + 1:])),
+            ("a key without its PEM lines", dict(self.info, private_key="\n".join(body))),
+            ("a key as base64 of the PEM", dict(
+                self.info, private_key=base64.b64encode(pem.encode()).decode())),
+            ("a key with the wrong END line", dict(
+                self.info, private_key=pem.replace("END PRIVATE", "END RSA PRIVATE"))),
+            ("a PKCS#1 key under the PKCS#8 label", dict(
+                self.info, private_key=TEST_RSA_KEY_PKCS1_PEM.replace("RSA PRIVATE", "PRIVATE"))),
+            ("a key as bytes", dict(self.info, private_key=pem.encode())),
+            ("a key without its email", dict(self.info, client_email="")),
+            ("a file of base64 of the key file", self.write("b64.json", self.encoded)),
+            ("a file of the PEM", self.write("key.pem", pem)),
+            ("a file of the DER key", self.write("key.der", der)),
+            ("a file of the key file cut short", self.write(
+                "short.json", self.key_file[: len(self.key_file) // 2])),
+            ("user credentials without the client secret", {
+                "type": "authorized_user", "client_id": "cid", "client_secret": "",
+                "refresh_token": self.server.refresh_token}),
+            ("user credentials with a secret that is not a string", {
+                "type": "authorized_user", "client_id": "cid", "client_secret": 12,
+                "refresh_token": self.server.refresh_token}),
+        ]
+
+    def write(self, name: str, contents: Union[str, bytes]) -> str:
+        path = os.path.join(self.folder, name)
+        with open(path, "wb") as file:
+            file.write(contents.encode() if isinstance(contents, str) else contents)
+        return path
+
+    def test_no_error_of_bad_credentials_shows_the_key(self) -> None:
+        for what, credentials in self.bad_credentials():
+            with self.subTest(what):
+                with self.assertRaises(andpush.AuthError) as caught:
+                    andpush.new(credentials=credentials, ssl_context=client_context())
+                self.assert_no_secret(exception_texts(caught.exception))
+
+    def test_a_wrong_string_is_described_by_its_shape_and_length(self) -> None:
+        table = [
+            (self.encoded, "a string of %s characters that is neither JSON nor the path of a "
+             "file; it looks like base64 of a key file: decode it"
+             % format(len(self.encoded), ",")),
+            (TEST_RSA_KEY_PKCS8_PEM, "it holds a PEM block, which is only a part of a key file: "
+             "pass the whole service account JSON key file"),
+            ("".join(TEST_RSA_KEY_PKCS8_PEM.splitlines()[1:-1]),
+             "it looks like base64 of a private key"),
+            ("ya29.a0AfH6SMBx3b-not-a-path", "a string of 28 characters that is neither JSON "
+             "nor the path"),
+            ("1//0gLk-refresh-token_123", "a string of 25 characters"),
+        ]
+        for credentials, expected in table:
+            with self.subTest(expected):
+                with self.assertRaises(andpush.AuthError) as caught:
+                    andpush.new(credentials=credentials)
+                self.assertIn(expected, str(caught.exception))
+                self.assertNotIn(credentials[:FRAGMENT], str(caught.exception))
+
+    def test_what_has_the_shape_of_a_path_is_shown_as_one(self) -> None:
+        for path in ["/no/such/folder/key.json", "key.json", os.path.join(self.folder, "fcm"),
+                     pathlib.Path("/no/such/folder/fcm")]:
+            with self.subTest(str(path)):
+                with self.assertRaisesRegex(andpush.AuthError, "cannot read credentials file "
+                                            + re.escape(repr(str(path)))):
+                    andpush.new(credentials=path)
+
+    def test_google_application_credentials_is_named_when_it_holds_a_key(self) -> None:
+        with environment(GOOGLE_APPLICATION_CREDENTIALS=self.encoded):
+            with self.assertRaises(andpush.AuthError) as caught:
+                andpush.new()
+        self.assertIn("GOOGLE_APPLICATION_CREDENTIALS is a string of", str(caught.exception))
+        self.assert_no_secret(exception_texts(caught.exception))
+
+    def test_the_command_line_shows_no_key_even_in_its_debug_log(self) -> None:
+        stderr = io.StringIO()
+        with self.assertLogs("andpush", "DEBUG") as logs, contextlib.redirect_stderr(stderr):
+            status = andpush.main(["--credentials", self.encoded, "check"])
+        self.assertEqual(status, 77)
+        self.assertIn("--credentials is a string of", stderr.getvalue())
+        self.assert_no_secret([stderr.getvalue()] + logs.output)
+
+    def test_no_error_of_the_token_endpoint_shows_a_secret(self) -> None:
+        unusable = "ya29.unusable-token \r\n-0123456789"
+        answers: List[Tuple[str, List[Any]]] = [
+            ("a refused key", [Reply(400, json={"error": "invalid_grant",
+                                                "error_description": "Invalid JWT Signature."})]),
+            ("an outage", [Reply(503, body=b"")] * 3),
+            ("an answer that is not JSON", [Reply(200, body=b"<html>")]),
+            ("an answer without a token", [Reply(200, json={"token_type": "Bearer"})]),
+            ("an unusable token", [Reply(200, json={"access_token": unusable})]),
+            ("a token FCM refuses", [Reply(200, json={"access_token": "ya29.refused-0123456789",
+                                                      "expires_in": 3599}),
+                                     fcm_error(401, None, "Request had invalid authentication "
+                                               "credentials.")] * 2),
+        ]
+        for what, replies in answers:
+            with self.subTest(what):
+                self.server.inject(*replies)
+                self.assert_push_shows_no_secret(service_account_info(self.server), unusable,
+                                                 "ya29.refused-0123456789")
+
+    def test_no_error_of_user_credentials_shows_a_secret(self) -> None:
+        info = {"type": "authorized_user", "client_id": "cid",
+                "client_secret": "cs-0123456789abcdef", "refresh_token": "wrong-0123456789abcdef",
+                "token_uri": self.server.endpoint + "/token"}
+        self.assert_push_shows_no_secret(info, "wrong-0123456789abcdef")
+
+    def test_an_unreachable_token_endpoint_shows_no_secret(self) -> None:
+        info = dict(self.info, token_uri="https://127.0.0.1:%d/token" % _closed_port())
+        self.assert_push_shows_no_secret(info)
+
+    def assert_push_shows_no_secret(self, credentials: Dict[str, Any], *secrets: str) -> None:
+        """Push once and push_many twice with ``credentials``, and check that neither the
+        errors, the log (DEBUG) nor the reprs show a secret, the JWTs and tokens sent included."""
+        before = len(self.server.requests)
+        with self.assertLogs("andpush", "DEBUG") as logs:
+            logging.getLogger("andpush").debug("start")  # assertLogs needs one line
+            client = andpush.new(credentials=credentials, endpoint=self.server.endpoint,
+                                 ssl_context=client_context(), max_retries=1)
+            FakeClock.install(client)
+            texts = [repr(client), repr(client._requests.api._tokens),
+                     repr(client._requests.api._tokens.credentials)]
+            try:
+                client.push(V1_MESSAGE)
+            except andpush.Error as exc:
+                texts += exception_texts(exc)
+            for _, outcome in client.push_many([V1_MESSAGE] * 2):
+                if isinstance(outcome, BaseException):
+                    texts += exception_texts(outcome)
+            client.close()
+        sent = [r.body.decode("ascii", "replace") for r in self.server.requests[before:]]
+        sent_jwts = [value for body in sent for name, value in urllib.parse.parse_qsl(body)
+                     if name == "assertion"]
+        self.assertGreater(len(texts), 3)  # an error, at least
+        self.assertEqual(self.server.pending, 0)
+        self.assert_no_secret(texts + logs.output, *(sent_jwts + list(secrets)
+                                                     + self.server.issued))
+
+
 class ApplicationDefaultCredentialsTest(unittest.TestCase):
     def setUp(self) -> None:
         self.google = FakeGoogle().start()
