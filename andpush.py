@@ -41,6 +41,7 @@ Errors form one tree; each says whose fault it is::
 
     Error
      +-- NetworkError      no answer: may_have_been_delivered says if it may have arrived
+     |    +-- CertificateError  the server's certificate failed verification: fix the setup
      +-- AuthError         no credentials, no access token, or FCM refused them
      +-- HTTPError         the server answered with a non-2xx status
           +-- ClientError  4xx: InvalidArgumentError, UnregisteredError, ...
@@ -81,8 +82,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = [  # what help(andpush) shows: ``build``, an alias of ``new``, is left out
     "new", "new_async", "Client", "AsyncClient", "Response", "Headers",
-    "Error", "NetworkError", "AuthError", "HTTPError", "ClientError", "ServerError",
-    "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
+    "Error", "NetworkError", "CertificateError", "AuthError", "HTTPError", "ClientError",
+    "ServerError", "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
     "QuotaExceededError", "ThirdPartyAuthError", "UnauthenticatedError",
     "PermissionDeniedError", "InternalError", "UnavailableError",
 ]
@@ -113,11 +114,18 @@ class Error(Exception):
 
     Every andpush error survives ``pickle`` and ``copy`` with its class, message and
     attributes (an HTTPError's ``response`` travels with it), so it can cross a process
-    pool or be stored by a result backend.
+    pool or be stored by a result backend. Its ``args`` are plain data (str, int, bool,
+    None) that rebuild it: ``type(error)(*error.args)``, as Celery's json result backend
+    does, gives the same class, message, status code and error code.
     """
 
+    def __str__(self) -> str:
+        """The message, which is the first of the args (the others rebuild the error)."""
+        return str(self.args[0]) if self.args else ""
+
     def __reduce__(self) -> Tuple[Any, ...]:
-        """Rebuild without calling ``__init__``, whose arguments are not kept in ``args``."""
+        """Rebuild without calling ``__init__``, with every attribute as it was (an
+        HTTPError's whole response, which its ``args`` do not hold)."""
         return _rebuild_error, (type(self), self.args, self.__dict__)
 
 
@@ -136,9 +144,20 @@ class NetworkError(Error, OSError):
     server, so it is safe to send again; when True, sending again may deliver it twice.
     """
 
-    def __init__(self, message: str, *, may_have_been_delivered: bool) -> None:
+    def __init__(self, message: str, may_have_been_delivered: bool) -> None:
         super().__init__(message)
+        self.args = (message, may_have_been_delivered)  # OSError's init keeps one arg
         self.may_have_been_delivered = may_have_been_delivered
+
+
+class CertificateError(NetworkError):
+    """The server's TLS certificate failed verification, so nothing was sent.
+
+    A configuration error, not an outage: a CA this machine does not trust (a test
+    server's, a private gateway's), or a proxy that intercepts TLS (a corporate one),
+    whose CA is to be trusted with ``ssl_context=`` (``--cafile``). It is never retried:
+    trying again cannot help.
+    """
 
 
 class AuthError(Error):
@@ -158,12 +177,26 @@ class HTTPError(Error):
         retry_after: the seconds the server asked to wait (Retry-After), else None.
     """
 
-    def __init__(self, response: "Response") -> None:
+    def __init__(self, response: Union["Response", str], status_code: Optional[int] = None,
+                 error_code: Optional[str] = None, retry_after: Optional[float] = None) -> None:
+        """Made from the server's Response; or, as ``type(error)(*error.args)`` rebuilds it,
+        from its message, status code, error code and Retry-After seconds, with a Response
+        of that status and no headers or body."""
+        if isinstance(response, Response):
+            status_code = response.status_code
+            error_code = _error_code(response)
+            retry_after = _retry_after(response.headers.get("retry-after"))
+            message = _describe(response, error_code)
+        elif isinstance(status_code, int):
+            message, response = response, Response(status_code, "", _NO_HEADERS, b"")
+        else:
+            raise TypeError("an HTTPError is made from a Response, or from a message and the "
+                            "status code")
         self.response = response
-        self.status_code = response.status_code
-        self.error_code = _error_code(response)
-        self.retry_after = _retry_after(response.headers.get("retry-after"))
-        super().__init__(_describe(response, self.error_code))
+        self.status_code = status_code
+        self.error_code = error_code
+        self.retry_after = retry_after
+        super().__init__(message, status_code, error_code, retry_after)
 
 
 class ClientError(HTTPError):
@@ -574,6 +607,8 @@ class _Retry:
         return self._next(retries=self.retries - 1, may_refresh=self.may_refresh), wait
 
     def _retryable(self, error: Error) -> bool:
+        if isinstance(error, CertificateError):  # the setup is wrong: it will fail again
+            return False
         if isinstance(error, NetworkError):
             return self.idempotent or not error.may_have_been_delivered
         if self.idempotent and isinstance(error, HTTPError):
@@ -762,7 +797,7 @@ def _paused(cause: Response, remaining: float) -> QuotaExceededError:
     error = QuotaExceededError(cause)
     error.retry_after = remaining
     error.args = ("not sent: the client waits %.3g s more after FCM's 429 (%s)"
-                  % (remaining, error),)
+                  % (remaining, error), error.status_code, error.error_code, remaining)
     return error
 
 
@@ -1797,13 +1832,13 @@ class _H2Connection:
         self.outgoing += _frame(_RST_STREAM, 0, stream.id, _CANCEL.to_bytes(4, "big"))
         self._finish(stream.id, error)
 
-    def expire(self, now: float) -> None:
-        """End the streams whose deadline (driver time, as given to ``start``) has passed."""
+    def expire(self, now: float, no_answer: Callable[[Any], Exception]) -> None:
+        """End the streams whose deadline (driver time, as given to ``start``) has passed,
+        each with the error ``no_answer(key)`` makes for its key."""
         if now < self._earliest:
             return
         for stream in [s for s in self.streams.values() if s.deadline <= now]:
-            self._reset(stream, NetworkError(
-                "no answer within the read timeout", may_have_been_delivered=True))
+            self._reset(stream, no_answer(stream.key))
         self._earliest = min([s.deadline for s in self.streams.values()] + [math.inf])
 
     def next_deadline(self) -> float:
@@ -1963,9 +1998,31 @@ def _connect(origin: _Origin, ssl_context: ssl.SSLContext,
         return _TLSSocket(sock, ssl_context, origin.host) if origin.scheme == "https" else sock
     except (OSError, http.client.HTTPException) as exc:
         conn.close()
-        where = "the proxy %s:%d for %r" % (address + (origin,)) if origin.proxy else repr(origin)
-        raise NetworkError("could not connect to %s: %s" % (where, _reason(exc)),
-                           may_have_been_delivered=False) from exc
+        raise _connect_error(origin, exc, timeout, isinstance(exc, socket.timeout)) from exc
+
+
+# How to change the timeouts, for the errors that say one ran out.
+_TIMEOUT_HINT = "raise it with timeout=SECONDS"
+
+
+def _connect_error(origin: _Origin, exc: BaseException, timeout: float,
+                   timed_out: bool) -> NetworkError:
+    """The error of a connection to ``origin`` that did not come up (nothing was sent)."""
+    where = "the proxy %s:%d for %r" % (origin.proxy[:2] + (origin,)) if origin.proxy \
+        else repr(origin)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return CertificateError(
+            "the TLS certificate of %r failed verification (%s): trust the CA that issued it "
+            "with ssl_context=ssl.create_default_context(cafile=...) (--cafile on the command "
+            "line); behind a proxy that inspects TLS, that is the proxy's CA. Sending again "
+            "cannot help" % (origin, _reason(exc)),
+            may_have_been_delivered=False)
+    if timed_out:
+        return NetworkError("could not connect to %s within the connect timeout of %.3g s; "
+                            "if the network is slow, %s" % (where, timeout, _TIMEOUT_HINT),
+                            may_have_been_delivered=False)
+    return NetworkError("could not connect to %s: %s" % (where, _reason(exc)),
+                        may_have_been_delivered=False)
 
 
 class _TLSSocket:
@@ -2215,6 +2272,19 @@ _EARLY_WRITE = 8 * 1024
 # the asyncio client begins its callers' pushes in runs as well, so that the first of a
 # burst go out (see _EARLY_WRITE) while the rest are being made.
 _RUN = 32
+
+
+def _no_answer(exchange: _Exchange, read_timeout: float) -> NetworkError:
+    """The error of a request whose answer did not come within its read timeout (its own
+    ``timeout``, else the client's): which, how long, where, and how to change it."""
+    path = exchange.path.partition("?")[0]
+    if "/registrations/" in path:  # a topic change: its path holds a device token
+        path = path.partition("/registrations/")[0] + "/registrations/..."
+    return NetworkError(
+        "no answer from %r%s within the read timeout of %.3g s (the request may have been "
+        "processed); if the server is slow, %s"
+        % (exchange.route, path, exchange.timeout or read_timeout, _TIMEOUT_HINT),
+        may_have_been_delivered=True)
 
 
 class _Engine:
@@ -2749,10 +2819,12 @@ class _Engine:
                     if now - h2.opened > self._connect_timeout:
                         self._drop(h2)
                         self._no_connection(route, NetworkError(
-                            "%r sent no HTTP/2 SETTINGS within %.3g s"
-                            % (route, self._connect_timeout), may_have_been_delivered=False))
+                            "%r sent no HTTP/2 SETTINGS within the connect timeout of %.3g s;"
+                            " if the server is slow, %s"
+                            % (route, self._connect_timeout, _TIMEOUT_HINT),
+                            may_have_been_delivered=False))
                     continue
-                conn.expire(now)
+                conn.expire(now, lambda key: _no_answer(key, self._read_timeout))
                 if conn.finished:
                     self._collect(h2)
                 if not conn.streams and now - h2.idle_since > self._keep_alive_timeout:
@@ -2766,9 +2838,7 @@ class _Engine:
                 if exchange is not None and exchange.deadline <= now:
                     self._drop(h1)
                     h1.exchange = None
-                    self._settle(exchange, NetworkError(
-                        "no answer from %r within the read timeout" % (route,),
-                        may_have_been_delivered=True))
+                    self._settle(exchange, _no_answer(exchange, self._read_timeout))
             for h1 in list(route.idle):
                 if now - h1.idle_since > self._keep_alive_timeout:
                     self._drop(h1)
@@ -3374,11 +3444,8 @@ class _AsyncDriver(_Engine):
         try:
             carrier = await asyncio.wait_for(self._open_carrier(origin), self._connect_timeout)
         except (OSError, asyncio.TimeoutError, _ProtocolError) as exc:
-            where = ("the proxy %s:%d for %r" % (origin.proxy[:2] + (origin,))
-                     if origin.proxy else repr(origin))
-            reason = _reason(exc) if not isinstance(exc, asyncio.TimeoutError) else "timed out"
-            error = NetworkError("could not connect to %s: %s" % (where, reason),
-                                 may_have_been_delivered=False)
+            error = _connect_error(origin, exc, self._connect_timeout,
+                                   isinstance(exc, asyncio.TimeoutError))
             self._guarded(self._connect_failed, route, error, generation)
             return
         ssl_object = carrier.transport.get_extra_info("ssl_object")
@@ -5703,7 +5770,8 @@ _EXIT_OK = 0             # everything was sent
 _EXIT_FAILED = 1         # FCM refused some messages (or topic changes): see what it said
 _EXIT_USAGE = 2          # a wrong option, file or message: fix the command
 _EXIT_TEMPFAIL = 75      # EX_TEMPFAIL: the network or FCM is down: try again later
-_EXIT_NOPERM = 77        # EX_NOPERM: no or refused credentials, no permission or project
+_EXIT_NOPERM = 77        # EX_NOPERM: no or refused credentials, no permission or project,
+#                          or a certificate that fails verification: fix the setup
 _EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
 _EXIT_CLOSED_OUTPUT = 141  # stdout's reader went away (| head): 128 + SIGPIPE, as shells
 _EXIT_TERMINATED = 143   # SIGTERM (systemd, docker, Kubernetes stopping it): 128 + SIGTERM
@@ -5749,7 +5817,8 @@ exit status:
   1    FCM refused some messages or tokens (the others were sent)
   2    usage error: a wrong option, file or message; fix the command
   75   the network or FCM is down (after the retries): try again later
-  77   credentials missing or refused, no permission, or no such project: fix the setup
+  77   credentials missing or refused, no permission, no such project, or a server
+       certificate that fails verification (--cafile): fix the setup
   130  interrupted (Ctrl-C): every message sent is recorded, the rest was not sent
   141  the output was closed (as by `| head`); sending stopped there
   143  terminated (SIGTERM): as for 130
@@ -6043,13 +6112,16 @@ def _is_outage(error: object) -> bool:
 
 
 def _exit_status(error: Error) -> int:
-    if _is_refused_sender(error) or _is_missing_project(error):
+    if _is_refused_sender(error) or _is_missing_project(error) \
+            or isinstance(error, CertificateError):
         return _EXIT_NOPERM
     return _EXIT_TEMPFAIL if _is_outage(error) else _EXIT_FAILED
 
 
 def _explain(error: BaseException) -> str:
     """One line: what went wrong, what to do where that is clear, and the error itself."""
+    if isinstance(error, CertificateError):
+        return "TLS problem, fix the setup: %s" % error
     if isinstance(error, NetworkError):
         return "network problem, try again later: %s" % error
     if isinstance(error, ThirdPartyAuthError):
@@ -6370,7 +6442,8 @@ def _stops_the_run(outcome: Exception, sent: int) -> bool:
     down, and the run is better tried again later than spent on failures.
     """
     if isinstance(outcome, NetworkError):
-        return sent == 0 and not outcome.may_have_been_delivered
+        return isinstance(outcome, CertificateError) \
+            or sent == 0 and not outcome.may_have_been_delivered
     if _is_outage(outcome):
         return sent == 0
     return _is_systemic(outcome) or _is_missing_project(outcome)

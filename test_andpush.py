@@ -1358,6 +1358,38 @@ class ErrorCopyTest(unittest.TestCase):
         self.assertEqual(copied.errors, {"device-a": "NotRegistered"})
         self.assertEqual(copied.headers["X-Id"], "1")
 
+    def test_every_public_error_is_rebuilt_from_its_args(self) -> None:
+        # Celery's json result backend stores type(e).__name__, its module and e.args (as
+        # JSON), and re-creates the exception as cls(*args).
+        for error in every_public_error():
+            with self.subTest(type(error).__name__):
+                args = json.loads(json.dumps(error.args))
+                rebuilt = type(error)(*args)
+                self.assertIs(type(rebuilt), type(error))
+                self.assertEqual(str(rebuilt), str(error))
+                self.assertEqual(rebuilt.args, error.args)
+                for name in ("status_code", "error_code", "retry_after",
+                             "may_have_been_delivered"):
+                    self.assertEqual(getattr(rebuilt, name, None), getattr(error, name, None))
+                if isinstance(error, andpush.HTTPError):
+                    assert isinstance(rebuilt, andpush.HTTPError)
+                    self.assertEqual((rebuilt.response.status_code, rebuilt.response.body),
+                                     (error.status_code, b""))
+                copied = pickle.loads(pickle.dumps(rebuilt))
+                self.assertEqual((type(copied), copied.args), (type(error), error.args))
+
+    def test_the_paused_quota_error_is_rebuilt_with_what_is_left_to_wait(self) -> None:
+        cause = response(429, fcm_error(429, "QUOTA_EXCEEDED").json)
+        error = andpush._paused(cause, 12.5)
+        rebuilt = type(error)(*json.loads(json.dumps(error.args)))
+        self.assertEqual((str(rebuilt), rebuilt.retry_after), (str(error), 12.5))
+        self.assertIn("waits 12.5 s more", str(rebuilt))
+
+    def test_an_http_error_is_still_made_from_a_response_only(self) -> None:
+        with self.assertRaisesRegex(TypeError, "from a Response, or from a message and the "
+                                    "status code"):
+            andpush.HTTPError("no status")
+
     def test_an_error_raised_in_a_process_pool_worker_reaches_the_caller(self) -> None:
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("fork" if "fork" in methods else None)
@@ -3497,13 +3529,15 @@ class H2ConnectionTest(H2TestCase):
         for key, deadline in [("a", 10.0), ("b", 20.0), ("c", 30.0)]:
             self.start(conn, key, deadline=deadline)
         self.sent(conn)
-        conn.expire(9.9)
+
+        def no_answer(key: object) -> Exception:
+            return andpush.NetworkError("no answer for %s" % key, may_have_been_delivered=True)
+        conn.expire(9.9, no_answer)
         self.assertEqual(conn.finished, [])
-        conn.expire(20.0)
+        conn.expire(20.0, no_answer)
         self.assertEqual([key for key, _ in conn.finished], ["a", "b"])
-        for _, outcome in conn.finished:
-            self.assertIsInstance(outcome, andpush.NetworkError)
-            self.assertTrue(outcome.may_have_been_delivered)
+        for key, outcome in conn.finished:
+            self.assertEqual(str(outcome), "no answer for %s" % key)
         self.assertEqual(self.sent(conn), [(H2_RST_STREAM, 0, stream_id, struct.pack(
             ">I", H2_CANCEL)) for stream_id in (1, 3)])
         self.assertEqual((list(conn.streams), conn.next_deadline()), ([5], 30.0))
@@ -5312,7 +5346,7 @@ class ReadmeExamplesTest(unittest.TestCase):
 class ManualTest(unittest.TestCase):
     """help(andpush) reads as a manual: the usage first, public names only, attributes told."""
 
-    MAX_LINES = 1700  # about 1,450 today, most of it what pydoc shows of every Exception
+    MAX_LINES = 1900  # about 1,800 today, most of it what pydoc shows of every Exception
     PRIVATE_NAME = re.compile(r"(?<![\w.])_[A-Za-z]\w*|andpush\._\w+")
 
     def manual(self) -> str:
@@ -7325,6 +7359,141 @@ class HTTP2TestCase(ServerTestCase):
 
 
 
+@contextlib.contextmanager
+def mute_server() -> Iterator[str]:
+    """The endpoint of a server that takes connections (into its backlog) and never says a
+    word, not even the TLS handshake's."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        yield "https://127.0.0.1:%d" % mute.getsockname()[1]
+
+
+class CertificateFailureTest(unittest.TestCase):
+    """A certificate that fails verification is a CertificateError (a NetworkError of the
+    setup): not retried, and its message says how to trust the right CA."""
+
+    def test_an_untrusted_certificate_is_not_retried_and_says_how_to_fix_it(self) -> None:
+        with FakeFCM() as server:
+            client = andpush.new(SERVER_KEY, endpoint=server.endpoint, max_retries=3)
+            self.addCleanup(client.close)
+            clock = FakeClock.install(client)
+            with self.assertRaises(andpush.CertificateError) as caught:
+                client.push(LEGACY_MESSAGE)
+            error = caught.exception
+            self.assertIsInstance(error, andpush.NetworkError)
+            self.assertFalse(error.may_have_been_delivered)
+            for fragment in ("CERTIFICATE_VERIFY_FAILED", "ssl_context=", "--cafile",
+                             "proxy", "Sending again cannot help", server.endpoint):
+                self.assertIn(fragment, str(error))
+            self.assertEqual(clock.sleeps, [])
+            self.assertTrue(wait_until(lambda: server.connections == 1))
+            self.assertEqual((server.connections, server.processed), (1, 0))
+
+    def test_the_token_endpoints_certificate_too(self) -> None:
+        with FakeGoogle() as server:
+            client = andpush.new(credentials=service_account_info(server),
+                                 endpoint=server.endpoint)
+            self.addCleanup(client.close)
+            clock = FakeClock.install(client)
+            with self.assertRaises(andpush.CertificateError):
+                client.push(V1_MESSAGE)
+            self.assertEqual(clock.sleeps, [])
+
+    def test_the_asyncio_client_gives_the_same_error(self) -> None:
+        async def push(server: FakeFCM) -> None:
+            async with andpush.new_async(SERVER_KEY, endpoint=server.endpoint,
+                                         max_retries=3, backoff_factor=10.0) as client:
+                await client.push(LEGACY_MESSAGE)
+
+        with FakeFCM() as server, self.assertRaises(andpush.CertificateError) as caught:
+            asyncio.run(push(server))
+        self.assertIn("--cafile", str(caught.exception))
+
+    def test_the_command_line_exits_with_the_setup_status(self) -> None:
+        with FakeGoogle() as server, tempfile.TemporaryDirectory() as folder:
+            key = os.path.join(folder, "key.json")
+            with open(key, "w") as file:
+                json.dump(service_account_info(server), file)
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+                status = andpush.main(["--credentials", key, "--endpoint", server.endpoint,
+                                       "check"])
+        self.assertEqual(status, 77)
+        self.assertIn("andpush: error: TLS problem, fix the setup: the TLS certificate of",
+                      stderr.getvalue())
+        self.assertIn("--cafile", stderr.getvalue())
+
+
+class TimeoutErrorTest(HTTP2TestCase):
+    """A timeout's error says which one ran out, after how long, for what URL, and how to
+    raise it; over HTTP/2 as over HTTP/1.1, and for the connect timeout too."""
+
+    HINT = "raise it with timeout=SECONDS"
+
+    def test_the_read_timeout_over_http2(self) -> None:
+        self.server.reply_delay = 0.3
+        client = self.h2_client(timeout=(1.0, 0.05))
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(V1_MESSAGE)
+        self.assertEqual(str(caught.exception), (
+            "no answer from %s/v1/projects/%s/messages:send within the read timeout of 0.05 s "
+            "(the request may have been processed); if the server is slow, %s"
+            % (self.server.endpoint, TEST_PROJECT, self.HINT)))
+        self.assertTrue(caught.exception.may_have_been_delivered)
+        with self.assertRaisesRegex(andpush.NetworkError, "read timeout of 0.07 s"):
+            client.push(V1_MESSAGE, timeout=0.07)
+
+    def test_the_read_timeout_over_http1_hides_the_device_token_of_a_topic_change(
+            self) -> None:
+        self.server.reply_delay = 0.3
+        client = self.h2_client(timeout=(1.0, 0.05), http2=False)
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(V1_MESSAGE)
+        self.assertIn("no answer from %s/v1/projects/%s/messages:send within the read timeout "
+                      "of 0.05 s" % (self.server.endpoint, TEST_PROJECT), str(caught.exception))
+        self.assertIn(self.HINT, str(caught.exception))
+        (outcome,) = client.subscribe([TOKEN], "news")
+        self.assertIn("/v1/projects/%s/registrations/... within the read timeout"
+                      % TEST_PROJECT, str(outcome))
+        self.assertNotIn(TOKEN, str(outcome))
+
+    def test_the_connect_timeout_of_a_server_that_never_shakes_hands(self) -> None:
+        with mute_server() as endpoint:
+            client = andpush.new(SERVER_KEY, endpoint=endpoint, timeout=(0.05, 1.0),
+                                 max_retries=0, ssl_context=client_context())
+            self.addCleanup(client.close)
+            with self.assertRaises(andpush.NetworkError) as caught:
+                client.push(LEGACY_MESSAGE)
+        self.assertEqual(str(caught.exception), (
+            "could not connect to %s within the connect timeout of 0.05 s; if the network is "
+            "slow, %s" % (endpoint, self.HINT)))
+        self.assertFalse(caught.exception.may_have_been_delivered)
+
+    def test_no_settings_within_the_connect_timeout(self) -> None:
+        self.server.send_settings = False
+        with self.assertRaises(andpush.NetworkError) as caught:
+            self.h2_client(timeout=(0.05, 1.0)).push(V1_MESSAGE)
+        self.assertIn("sent no HTTP/2 SETTINGS within the connect timeout of 0.05 s; if the "
+                      "server is slow, " + self.HINT, str(caught.exception))
+
+    def test_the_command_line_names_its_option(self) -> None:
+        self.server.reply_delay = 0.3
+        stderr = io.StringIO()
+        with tempfile.TemporaryDirectory() as folder:
+            ca_file = os.path.join(folder, "ca.pem")
+            with open(ca_file, "w") as file:
+                file.write(TEST_CA_PEM)
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()), \
+                    environment(ANDPUSH_SERVER_KEY=SERVER_KEY):
+                status = andpush.main(["--endpoint", self.server.endpoint, "--cafile", ca_file,
+                                       "--timeout", "0.05", "--max-retries", "0", "send",
+                                       "--token", TOKEN, "--title", "Hi"])
+        self.assertEqual(status, 75)
+        self.assertIn("within the read timeout of 0.05 s", stderr.getvalue())
+        self.assertIn("raise it with --timeout SECONDS", stderr.getvalue())
+
+
 class EngineTest(HTTP2TestCase):
     """One I/O thread per client owns its connections, which outlive each call."""
 
@@ -8548,6 +8717,24 @@ class AsyncRunTest(unittest.TestCase):
             kept.clear()
             gc.collect()
         self.assertEqual(unraisable, [])
+
+
+class AsyncTimeoutErrorTest(AsyncTestCase):
+    async def test_the_asyncio_client_says_the_same(self) -> None:
+        self.server.reply_delay = 0.3
+        client = self.h2_client(timeout=(1.0, 0.05))
+        with self.assertRaisesRegex(andpush.NetworkError, "no answer from %s/v1/projects/.*"
+                                    "read timeout of 0.05 s" % re.escape(self.server.endpoint)):
+            await client.push(V1_MESSAGE)
+
+    async def test_and_of_the_connect_timeout(self) -> None:
+        with mute_server() as endpoint:
+            client = andpush.new_async(SERVER_KEY, endpoint=endpoint, timeout=(0.05, 1.0),
+                                       max_retries=0, ssl_context=client_context())
+            self.addAsyncCleanup(client.aclose)
+            with self.assertRaisesRegex(andpush.NetworkError, "could not connect to %s within "
+                                        "the connect timeout of 0.05 s" % re.escape(endpoint)):
+                await client.push(LEGACY_MESSAGE)
 
 
 class AsyncConcurrencyTest(AsyncTestCase):
