@@ -4054,7 +4054,8 @@ class _AsyncBatch(_Batch):
 
 #: The OAuth2 scope that FCM v1 requires.
 FCM_SCOPE = "https://www.googleapis.com/auth/firebase.messaging"
-_GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
+_GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"  # also every Google JWT's audience
+_GOOGLE_TOKEN_HOSTS = ("accounts.google.com", "googleapis.com")  # and *.googleapis.com
 _METADATA_HOST = "metadata.google.internal"
 _JWT_LIFETIME = 3600           # seconds, the most Google accepts
 _TOKEN_REFRESH_MARGIN = 300.0  # seconds before expiry at which a token is replaced
@@ -4393,9 +4394,10 @@ class _ServiceAccount(_TokenGrant):
             self._key = _parse_private_key(_field(info, "private_key"))
         except ValueError as exc:
             raise AuthError("service account key: %s" % exc) from None
-        self._token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
+        token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
+        self._audience = _GOOGLE_TOKEN_URI if _is_google(token_uri) else token_uri
         self.project_id = info.get("project_id") or None
-        super().__init__(self._token_uri, engine)
+        super().__init__(token_uri, engine)
 
     def _grant(self) -> Dict[str, str]:
         return {
@@ -4409,10 +4411,21 @@ class _ServiceAccount(_TokenGrant):
         if self._key_id:  # left out when the key file has none, as google-auth does
             header["kid"] = str(self._key_id)
         claims = {
-            "iss": self._email, "scope": FCM_SCOPE, "aud": self._token_uri,
+            "iss": self._email, "scope": FCM_SCOPE, "aud": self._audience,
             "iat": now, "exp": now + _JWT_LIFETIME,
         }
         return _jwt(header, claims, self._key)
+
+
+def _is_google(token_uri: str) -> bool:
+    """Whether a key file's token_uri is one of Google's token endpoints (older key files
+    name https://accounts.google.com/o/oauth2/token), for which Google defines the JWT's
+    audience as _GOOGLE_TOKEN_URI whatever the endpoint, as google-auth signs it; any
+    other (a gateway, a test double) is the audience itself."""
+    parts = urllib.parse.urlsplit(token_uri)
+    host = (parts.hostname or "").lower()
+    return parts.scheme == "https" and (
+        host in _GOOGLE_TOKEN_HOSTS or host.endswith(".googleapis.com"))
 
 
 class _AuthorizedUser(_TokenGrant):

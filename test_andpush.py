@@ -4254,6 +4254,34 @@ class MessageValidationTest(unittest.TestCase):
             api.prepare(message, False)
 
 
+class JwtAudienceTest(unittest.TestCase):
+    """The JWT's aud is Google's fixed audience for Google's token endpoints (as google-auth
+    signs it, whatever token_uri says), and token_uri itself for any other."""
+
+    def audience(self, token_uri: Optional[str]) -> str:
+        info = {"type": "service_account", "client_email": TEST_CLIENT_EMAIL,
+                "private_key": TEST_RSA_KEY_PKCS8_PEM}
+        if token_uri is not None:
+            info["token_uri"] = token_uri
+        assertion = andpush._ServiceAccount(info, _NoLoop()).assertion(1000)  # type: ignore[arg-type]
+        return str(json.loads(_b64url_decode(assertion.split(".")[1]))["aud"])
+
+    def test_googles_endpoints_get_googles_audience(self) -> None:
+        for token_uri in (None, "https://oauth2.googleapis.com/token",
+                          "https://accounts.google.com/o/oauth2/token",
+                          "https://www.googleapis.com/oauth2/v4/token",
+                          "https://OAuth2.GoogleAPIs.com/token"):
+            with self.subTest(token_uri=token_uri):
+                self.assertEqual(self.audience(token_uri), "https://oauth2.googleapis.com/token")
+
+    def test_any_other_endpoint_is_its_own_audience(self) -> None:
+        for token_uri in ("https://127.0.0.1:8443/token", "https://auth.example.com/token",
+                          "https://googleapis.com.example.net/token",
+                          "http://oauth2.googleapis.com/token"):
+            with self.subTest(token_uri=token_uri):
+                self.assertEqual(self.audience(token_uri), token_uri)
+
+
 class V1ErrorTest(V1TestCase):
     def test_each_fcm_error_raises_its_class_and_is_processed_once(self) -> None:
         table = [
