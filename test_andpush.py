@@ -4127,8 +4127,8 @@ class MessageValidationTest(unittest.TestCase):
             ("text", TypeError, "must be a dict"),
             ({"notification": {}}, ValueError, "exactly one target.*none"),
             ({"token": "a", "topic": "b"}, ValueError, "exactly one target.*token, topic"),
-            ({"token": ""}, ValueError, "non-empty"),
-            ({"topic": "/topics/news"}, ValueError, "without the /topics/ prefix"),
+            ({"token": ""}, ValueError, "a device token is empty"),
+            ({"topic": "/topics/bad topic"}, ValueError, "'bad topic' is not a valid topic"),
             ({"topic": "bad topic!"}, ValueError, "not a valid topic"),
             ({"token": "a", "data": {"n": 1}}, TypeError, r"data\['n'\] must be a str"),
             ({"token": "a", "data": {"from": "x"}}, ValueError, "reserved"),
@@ -4252,6 +4252,303 @@ class MessageValidationTest(unittest.TestCase):
         for message in ({"topic": "news-1_a.b~c%d"}, {"condition": "'a' in topics"},
                         {"fid": "f"}, {"token": "t", "data": {"k": "v"}}):
             api.prepare(message, False)
+
+
+def camel_case(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(word.capitalize() for word in rest)
+
+
+def snake_case(name: str) -> str:
+    return re.sub(r"[A-Z]", lambda upper: "_" + upper.group().lower(), name)
+
+
+def every_field(snake: bool) -> Dict[str, Any]:
+    """A v1 message that sets every field andpush knows, with values FCM takes, under the
+    snake_case names (or, with ``snake`` False, the lowerCamelCase ones)."""
+    def named(section: Dict[str, Any]) -> Dict[str, Any]:
+        return {(key if snake else camel_case(key)): value for key, value in section.items()}
+    color = {"red": 0.1, "green": 0.2, "blue": 0.3, "alpha": 1.0}
+    lights = named({"color": color, "light_on_duration": "0.5s", "light_off_duration": "1s"})
+    android_notification = named({
+        "title": "T", "body": "B", "icon": "ic", "color": "#ff8800", "sound": "default",
+        "tag": "t", "image": "https://x/i.png", "click_action": "OPEN", "body_loc_key": "k",
+        "body_loc_args": ["a"], "title_loc_key": "k", "title_loc_args": ["a"],
+        "channel_id": "c", "ticker": "t", "sticky": True, "event_time": "2024-01-01T00:00:00Z",
+        "local_only": True, "notification_priority": "PRIORITY_HIGH", "default_sound": True,
+        "default_vibrate_timings": True, "default_light_settings": True,
+        "vibrate_timings": ["0.5s"], "visibility": "PUBLIC", "notification_count": 3,
+        "light_settings": lights, "bypass_proxy_notification": True, "proxy": "ALLOW",
+    })
+    android = named({
+        "collapse_key": "c", "priority": "high", "ttl": "60s",
+        "restricted_package_name": "com.example", "data": {"titel": "free-form"},
+        "notification": android_notification, "fcm_options": named({"analytics_label": "a"}),
+        "direct_boot_ok": True, "bandwidth_constrained_ok": True,
+        "restricted_satellite_ok": True,
+    })
+    apns = named({
+        "headers": {"apns-priority": "10", "apns-push-type": "alert"},
+        "payload": {"aps": {"alert": {"title": "T"}, "badge": 1}, "anything": [1, {"x": 2}]},
+        "fcm_options": named({"analytics_label": "a", "image": "https://x/i.png"}),
+        "live_activity_token": "lat",
+    })
+    webpush = named({
+        "headers": {"Urgency": "high", "TTL": "60"}, "data": {"notificaton": "free-form"},
+        "notification": {"title": "T", "requireInteraction": True, "actions": [{"action": "a"}]},
+        "fcm_options": named({"link": "https://example.com", "analytics_label": "a"}),
+    })
+    return named({
+        "token": TOKEN, "data": {"andriod": "keys here are free-form"},
+        "notification": {"title": "T", "body": "B", "image": "https://x/i.png"},
+        "android": android, "apns": apns, "webpush": webpush,
+        "fcm_options": named({"analytics_label": "a"}),
+        "android_v2": {"remote_notification": {"anything": "FCM's preview, passed on"}},
+    })
+
+
+class MessageFieldsTest(unittest.TestCase):
+    """A field FCM does not know is refused before sending when it is a slip (a typo, the
+    request body around the message, a legacy field, a field of another place), with what
+    to write instead; what FCM takes, in either spelling, goes out as it is."""
+
+    def setUp(self) -> None:
+        self.api = andpush._V1API(andpush._StaticToken("t", "p"), "p", andpush._Clock())
+
+    def test_slips_are_refused_with_the_field_meant(self) -> None:
+        table: List[Tuple[Dict[str, Any], str]] = [
+            ({"notificaton": {"title": "Hi"}},
+             "message 'notificaton' is not a field FCM knows: did you mean 'notification'?"),
+            ({"Notification": {}}, "did you mean 'notification'"),
+            ({"andriod": {}}, "did you mean 'android'"),
+            ({"fcm_option": {}}, "did you mean 'fcm_options'"),
+            ({"notification": {"titel": "x"}},
+             "message notification.titel is not a field FCM knows: did you mean 'title'?"),
+            ({"android": {"priorty": "high"}}, "android.priorty .* did you mean 'priority'"),
+            ({"android": {"notification": {"chanel_id": "c"}}},
+             "android.notification.chanel_id .* did you mean 'channel_id'"),
+            ({"android": {"notification": {"ChannelId": "c"}}}, "did you mean 'channelId'"),
+            ({"android": {"notification": {"light_settings": {"colour": {}}}}},
+             r"android.notification.light_settings.colour .* did you mean 'color'"),
+            ({"android": {"notification": {"light_settings": {"color": {"reed": 1}}}}},
+             r"light_settings.color.reed .* did you mean 'red'"),
+            ({"apns": {"header": {}}}, "apns.header .* did you mean 'headers'"),
+            ({"webpush": {"fcm_options": {"links": "https://x"}}},
+             "webpush.fcm_options.links .* did you mean 'link'"),
+            ({"fcmOptions": {"analyticLabel": "a"}}, "did you mean 'analyticsLabel'"),
+            ({"title": "Hi"}, "message 'title' is not a field FCM knows there: it goes in "
+             "android.notification.title or notification.title"),
+            ({"notification": {"sound": "default"}},
+             "message notification.sound .* it goes in android.notification.sound"),
+            ({"notification": {"click_action": "OPEN"}}, "android.notification.click_action"),
+            ({"android": {"sound": "default"}}, "it goes in android.notification.sound"),
+            ({"android": {"headers": {}}}, "it goes in apns.headers or webpush.headers"),
+            ({"priority": "high"}, "message 'priority' is a field of the legacy API; in a v1 "
+             "message it is android.priority, and apns.headers 'apns-priority'"),
+            ({"time_to_live": 60}, r"android.ttl \(a string, such as \"3600s\"\)"),
+            ({"collapse_key": "c"}, "android.collapse_key"),
+            ({"content_available": True}, "content-available"),
+            ({"mutable_content": True}, "mutable-content"),
+            ({"dry_run": True}, "pass validate_only=True to push"),
+            ({"restricted_package_name": "x"}, "android.restricted_package_name"),
+        ]
+        for fields, pattern in table:
+            with self.subTest(fields=str(fields)[:60]):
+                with self.assertRaisesRegex(ValueError, pattern) as caught:
+                    self.api.prepare(dict(fields, token=TOKEN), False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+
+    def test_the_request_body_and_the_legacy_shape_say_what_to_pass(self) -> None:
+        table: List[Tuple[Dict[str, Any], str]] = [
+            ({"message": {"token": TOKEN}},
+             r'the body of a v1 request, \{"message": \{...\}\}: pass the message inside it, '
+             r'as in client.push\(body\["message"\]\)'),
+            ({"message": {"token": TOKEN}, "validate_only": True}, "validate_only=True"),
+            ({"to": TOKEN, "notification": {"title": "Hi"}},
+             "message 'to' is a field of the legacy API; in a v1 message the target is "
+             "'token' .a device., 'topic' .a name, without /topics/. or 'condition'"),
+            ({"registration_ids": [TOKEN]}, r"call client.push_multicast\(message, tokens\)"),
+        ]
+        for message, pattern in table:
+            with self.subTest(message=str(message)[:60]):
+                with self.assertRaisesRegex(ValueError, pattern) as caught:
+                    self.api.prepare(message, False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+
+    def test_every_field_fcm_knows_goes_out_under_either_name(self) -> None:
+        for snake in (True, False):
+            with self.subTest("snake_case" if snake else "lowerCamelCase"):
+                message = every_field(snake)
+                path, body, _ = self.api.prepare(message, False)
+                self.assertEqual(json.loads(body)["message"], message)
+
+    def test_every_known_field_has_both_names_and_is_tried_above(self) -> None:
+        def walk(value: Any, where: str) -> Set[Tuple[str, str]]:
+            tried = set()
+            if where in andpush._KNOWN_FIELDS and isinstance(value, dict):
+                for key, item in value.items():
+                    tried.add((where, key))
+                    tried |= walk(item, (where + "." if where else "") + snake_case(key))
+            return tried
+
+        known = {(where, name) for where, names in andpush._KNOWN_FIELDS.items()
+                 for name in names}
+        for where, name in known:
+            with self.subTest(where=where, name=name):
+                self.assertIn(camel_case(name) if "_" in name else snake_case(name),
+                              andpush._KNOWN_FIELDS[where])
+        tried = walk(every_field(True), "") | walk(every_field(False), "")
+        self.assertEqual(tried - known, set())
+        self.assertEqual(known - tried, {("", name) for name in ("name", "topic", "condition",
+                                                                 "fid")})
+
+    def test_maps_are_free_form_and_an_unlike_name_is_left_to_fcm(self) -> None:
+        for fields in [
+            {"data": {"notificaton": "a key like a field", "title": "x"}},
+            {"apns": {"headers": {"titel": "x"}, "payload": {"notificaton": {"a": 1}}}},
+            {"webpush": {"notification": {"silent": True, "badge": "/b.png"}}},
+            {"a_field_fcm_may_add_one_day": {"x": 1}},
+            {"android": {"bandwidth_constrained_ok": True, "zz_future": 1}},
+            {"name": "projects/p/messages/1"},
+        ]:
+            with self.subTest(fields=str(fields)[:60]):
+                path, body, _ = self.api.prepare(dict(fields, token=TOKEN), False)
+                self.assertEqual(json.loads(body)["message"], dict(fields, token=TOKEN))
+
+    def test_a_typical_message_is_checked_without_looking_for_slips(self) -> None:
+        with unittest.mock.patch.object(andpush, "_check_fields") as slips:
+            self.api.prepare(dict(V1_MESSAGE, data={"k": "v"}), False)
+        slips.assert_not_called()
+
+    def test_a_legacy_client_checks_the_target(self) -> None:
+        api = andpush._LegacyAPI(SERVER_KEY)
+        table: List[Tuple[Dict[str, Any], type, str]] = [
+            ({"token": TOKEN}, ValueError, "this is a v1 message .its target is 'token'.; the "
+             "legacy API's target is 'to'.*make the client with credentials="),
+            ({"topic": "news"}, ValueError, "its target is 'topic'"),
+            ({"notification": {"title": "Hi"}}, ValueError,
+             "needs exactly one target of to, registration_ids or condition; got none"),
+            ({"to": TOKEN, "condition": "'a' in topics"}, ValueError, "got to, condition"),
+            ({"to": ""}, ValueError, "a device token is empty"),
+            ({"to": 5}, TypeError, "a device token must be a str, got int"),
+            ({"registration_ids": TOKEN}, TypeError, "registration_ids must be a non-empty list"),
+            ({"registration_ids": [TOKEN, ""]}, ValueError, "a device token is empty"),
+        ]
+        for message, error, pattern in table:
+            with self.subTest(message=str(message)[:60]):
+                with self.assertRaisesRegex(error, pattern) as caught:
+                    api.prepare(message, False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+        for message in ({"to": "/topics/news"}, {"condition": "'a' in topics"},
+                        {"registration_ids": [TOKEN, "b"]}, {"to": TOKEN}):
+            api.prepare(message, False)
+
+    def test_push_many_of_one_dict_is_one_type_error(self) -> None:
+        client = andpush.new(SERVER_KEY)
+        self.addCleanup(client.close)
+        with self.assertRaisesRegex(TypeError, r"push_many takes many messages, not one dict: "
+                                    r"push\(message\) sends one"):
+            client.push_many(V1_MESSAGE)  # type: ignore[call-overload]
+
+    def test_google_services_json_is_named_for_what_it_is(self) -> None:
+        config = {"project_info": {"project_id": "p", "project_number": "1"},
+                  "client": [{"api_key": [{"current_key": "AIza-not-a-secret-here"}]}],
+                  "configuration_version": "1"}
+        with self.assertRaisesRegex(andpush.AuthError, "google-services.json, the Android "
+                                    "app's Firebase config.*Service accounts, Generate new "
+                                    "private key"):
+            andpush.new(credentials=config)
+
+
+class DeviceTokenTest(V1TestCase):
+    """An empty or non-str device token gets the same error from push, push_multicast and
+    subscribe; a topic's /topics/ prefix is dropped, as firebase-admin drops it."""
+
+    def test_an_empty_token_is_one_value_error_everywhere(self) -> None:
+        client = self.fixed_token_client()
+        with self.assertRaisesRegex(ValueError, "^a device token is empty"):
+            client.push({"token": "", "data": {"k": "v"}})
+        with self.assertRaisesRegex(TypeError, "^a device token must be a str, got int"):
+            client.push({"token": 5, "data": {"k": "v"}})  # type: ignore[typeddict-item]
+        pairs = list(client.push_multicast({"data": {"k": "v"}}, ["", 5, "ok"]))  # type: ignore[list-item]
+        self.assertRegex(str(pairs[0][1]), "^a device token is empty")
+        self.assertIsInstance(pairs[0][1], ValueError)
+        self.assertRegex(str(pairs[1][1]), "^a device token must be a str, got int")
+        self.assertIsInstance(pairs[1][1], TypeError)
+        self.assertIsInstance(pairs[2][1], andpush.Response)
+        with self.assertRaisesRegex(ValueError, "^a device token is empty"):
+            client.subscribe(["ok", ""], "news")
+        self.assertEqual(tokens_sent(self.server), ["ok"])
+
+    def test_the_topics_prefix_is_dropped_in_push_and_subscribe(self) -> None:
+        client = self.fixed_token_client()
+        message = {"topic": "/topics/news", "data": {"k": "v"}}
+        client.push(message)
+        self.assertEqual(self.server.requests[-1].json["message"]["topic"], "news")
+        self.assertEqual(message["topic"], "/topics/news")  # the caller's dict is left as it is
+        client.subscribe(["a"], "/topics/news")
+        self.assertEqual(self.server.subscriptions, {("a", "news")})
+        with self.assertRaisesRegex(ValueError, "'bad topic!' is not a valid topic name"):
+            client.subscribe(["a"], "/topics/bad topic!")
+
+
+class BulkCountsTest(V1TestCase):
+    """What push_many and push_multicast return counts its successes and failures, as
+    firebase-admin's BatchResponse does, and a Response names its message's id."""
+
+    def test_push_many_counts_the_pairs_given_by_the_loop_and_by_close(self) -> None:
+        self.server.by_token.update({"t1": [fcm_error(404, "UNREGISTERED")],
+                                     "t3": [fcm_error(400, "INVALID_ARGUMENT")]})
+        messages: List[andpush.Message] = [{"token": "t%d" % i, "data": {"k": "v"}}
+                                           for i in range(6)]
+        messages.insert(2, {"token": "", "data": {}})  # refused before sending: a failure
+        client = self.fixed_token_client()
+        outcomes = client.push_many(messages, concurrency=2)
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (0, 0))
+        self.assertEqual(len(list(outcomes)), 7)
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (4, 3))
+        self.assertEqual(outcomes.close(), [])
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (4, 3))
+        self.server.by_token["t1"] = [fcm_error(404, "UNREGISTERED")]
+        stopped = client.push_many(messages, concurrency=2)
+        for _ in range(3):
+            next(stopped)
+        self.assertEqual((stopped.success_count, stopped.failure_count), (1, 2))
+        rest = stopped.close()  # the messages read by then, sent and answered
+        failed = sum(isinstance(outcome, Exception) for _, outcome in rest)
+        self.assertEqual((stopped.success_count, stopped.failure_count),
+                         (1 + len(rest) - failed, 2 + failed))
+
+    def test_push_multicast_counts_too(self) -> None:
+        self.server.by_token["b"] = [fcm_error(404, "UNREGISTERED")]
+        outcomes = self.fixed_token_client().push_multicast({"data": {"k": "v"}}, ["a", "b", "c"])
+        self.assertEqual([token for token, _ in outcomes], ["a", "b", "c"])
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (2, 1))
+
+    def test_a_legacy_refusal_of_the_token_counts_as_a_failure(self) -> None:
+        self.server.unregistered_tokens.add("gone")
+        with andpush.new(SERVER_KEY, endpoint=self.server.endpoint,
+                         ssl_context=client_context()) as legacy:
+            outcomes = legacy.push_multicast({"data": {"k": "v"}}, ["ok", "gone"])
+            pairs = list(outcomes)
+        self.assertIsInstance(pairs[1][1], andpush.Response)  # a 200, as push() returns it
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (1, 1))
+
+    def test_the_message_id_of_a_v1_and_of_a_legacy_answer(self) -> None:
+        answer = self.fixed_token_client().push(V1_MESSAGE)
+        self.assertEqual(answer.message_id, answer.json()["name"])
+        self.assertRegex(str(answer.message_id), r"^projects/%s/messages/0:\d+$" % TEST_PROJECT)
+        table: List[Tuple[Any, Optional[str]]] = [
+            ({"results": [{"message_id": "0:1%abc"}]}, "0:1%abc"),
+            ({"message_id": 6123}, "6123"),  # a legacy topic message's answer
+            ({"results": [{"message_id": "a"}, {"message_id": "b"}]}, None),  # one per token
+            ({"results": [{"error": "NotRegistered"}]}, None),
+            ({}, None), ([1], None),
+        ]
+        for body, expected in table:
+            with self.subTest(body=body):
+                self.assertEqual(response(200, body).message_id, expected)
+        self.assertIsNone(andpush.Response(200, "OK", andpush.Headers({}), b"<html>").message_id)
 
 
 class JwtAudienceTest(unittest.TestCase):
@@ -4887,7 +5184,7 @@ class TopicManagementTest(V1TestCase):
         with self.assertRaisesRegex(TypeError, "list of str"):
             client.subscribe("a", "news")
         with self.assertRaisesRegex(ValueError, "topic"):
-            client.subscribe(["a"], "/topics/news")
+            client.subscribe(["a"], "news!")
         with self.assertRaisesRegex(ValueError, "v1"):
             self.client().subscribe(["a"], "news")
 
@@ -5348,19 +5645,23 @@ class ReadmeExamplesTest(unittest.TestCase):
                     if line.startswith("andpush ")]
         self.assertGreaterEqual(len(commands), 5)
         with FakeGoogle() as server, tempfile.TemporaryDirectory() as directory:
-            with open(os.path.join(directory, "key.json"), "w") as file:
-                json.dump(service_account_info(server), file)
+            for name in ("key.json", "service-account.json"):
+                with open(os.path.join(directory, name), "w") as file:
+                    json.dump(service_account_info(server), file)
             with open(os.path.join(directory, "ca.pem"), "w") as file:
                 file.write(TEST_CA_PEM)
             with open(os.path.join(directory, "tokens.txt"), "w") as file:
                 file.write("# test devices\ntoken-1\n\ntoken-2\n")
+            with open(os.path.join(directory, "messages.jsonl"), "w") as file:
+                file.write('{"token": "token-1", "notification": {"title": "Hi Ann"}}\n'
+                           '{"topic": "news", "data": {"edition": "42"}}\n')
             cwd = os.getcwd()
             os.chdir(directory)  # the examples name their files relative to it
             try:
                 for command in commands:
                     with self.subTest(command):
-                        argv = shlex.split(command)[1:] + ["--endpoint", server.endpoint,
-                                                           "--cafile", "ca.pem"]
+                        argv = shlex.split(command, comments=True)[1:] + [
+                            "--endpoint", server.endpoint, "--cafile", "ca.pem"]
                         stderr = io.StringIO()
                         with contextlib.redirect_stdout(io.StringIO()), \
                                 contextlib.redirect_stderr(stderr):
@@ -5374,7 +5675,7 @@ class ReadmeExamplesTest(unittest.TestCase):
 class ManualTest(unittest.TestCase):
     """help(andpush) reads as a manual: the usage first, public names only, attributes told."""
 
-    MAX_LINES = 1900  # about 1,800 today, most of it what pydoc shows of every Exception
+    MAX_LINES = 2000  # about 1,900 today, most of it what pydoc shows of every Exception
     PRIVATE_NAME = re.compile(r"(?<![\w.])_[A-Za-z]\w*|andpush\._\w+")
 
     def manual(self) -> str:
@@ -5384,11 +5685,11 @@ class ManualTest(unittest.TestCase):
         self.assertLess(len(self.manual().splitlines()), self.MAX_LINES)
 
     def test_it_shows_no_private_names(self) -> None:
-        # The clients' constructors are wiring that new() and new_async() do: their
-        # parameters are internal types.
-        wiring = set(self.PRIVATE_NAME.findall(
-            str(inspect.signature(andpush.Client.__init__))
-            + str(inspect.signature(andpush.AsyncClient.__init__))))
+        # The constructors of the clients and of what push_many returns are wiring that
+        # new(), new_async() and push_many do: their parameters are internal types.
+        wiring = set(self.PRIVATE_NAME.findall("".join(
+            str(inspect.signature(cls.__init__)) for cls in (
+                andpush.Client, andpush.AsyncClient, andpush.Outcomes, andpush.AsyncOutcomes))))
         self.assertEqual(set(self.PRIVATE_NAME.findall(self.manual())) - wiring, set())
 
     def test_it_lists_only_the_public_names_once_each(self) -> None:
@@ -5782,6 +6083,69 @@ class CliSendManyTest(CliTestCase):
         message = self.write("message.json", json.dumps({"topic": "news"}))
         result = self.andpush("send-many", "--tokens", "-", "--message", message, stdin="a\n")
         self.assertErrorLine(result, 2, "must have no target")
+
+    def test_messages_from_a_json_lines_file_each_with_its_own_target(self) -> None:
+        self.server.by_token["gone"] = [fcm_error(404, "UNREGISTERED")]
+        lines = [
+            {"token": "t1", "notification": {"title": "Hi Ann"}, "data": {"name": "Ann"}},
+            {"message": {"token": "t2", "notification": {"title": "Hi Bob"}}},  # a body
+            {"topic": "news", "notification": {"title": "To all"}},
+            {"token": "gone", "data": {"k": "v"}},
+            {"token": "t3", "notificaton": {"title": "a slip"}},
+        ]
+        text = "# one a line\n" + "\n".join(json.dumps(line) for line in lines) + "\n\n"
+        result = self.andpush("send-many", "--messages", self.write("m.jsonl", text),
+                              "--results", os.path.join(self.folder, "results.jsonl"),
+                              "--unregistered", os.path.join(self.folder, "dead.txt"))
+        self.assertExit(result, 1)
+        sent = [r.json["message"] for r in self.server.requests if r.path.endswith(":send")]
+        self.assertEqual(sorted(m.get("token", m.get("topic")) for m in sent),
+                         ["gone", "news", "t1", "t2"])
+        self.assertIn({"token": "t1", "notification": {"title": "Hi Ann"},
+                       "data": {"name": "Ann"}}, sent)
+        records = [json.loads(line) for line in self.read("results.jsonl").splitlines()]
+        self.assertEqual([r["token"] for r in records], ["t1", "t2", None, "gone", "t3"])
+        self.assertEqual([r["ok"] for r in records], [True, True, True, False, False])
+        self.assertEqual(records[4]["error"], "INVALID_MESSAGE")
+        self.assertIn("did you mean 'notification'", records[4]["detail"])
+        self.assertEqual(self.read("dead.txt"), "gone\n")
+        self.assertIn("sent 3 of 5 messages, 2 failed (1 INVALID_MESSAGE, 1 UNREGISTERED)",
+                      result.stderr)
+
+    def test_a_line_that_is_no_json_object_stops_the_run_there(self) -> None:
+        text = '{"token": "t1", "data": {"k": "v"}}\n{"token": \n'
+        result = self.andpush("send-many", "--messages", self.write("m.jsonl", text))
+        self.assertExit(result, 2)
+        self.assertIn("line 2 of --messages", result.stderr)
+        self.assertIn("is not JSON", result.stderr)
+        self.assertEqual(tokens_sent(self.server), ["t1"])
+        result = self.andpush("send-many", "--messages", "-", stdin="[1, 2]\n")
+        self.assertIn("line 1 of --messages '-' must hold a JSON object", result.stderr)
+
+    def test_messages_take_no_content_options_nor_tokens(self) -> None:
+        path = self.write("m.jsonl", '{"token": "t1", "data": {"k": "v"}}\n')
+        result = self.andpush("send-many", "--messages", path, "--title", "Hi")
+        self.assertErrorLine(result, 2, "--messages holds whole messages: give no --title")
+        result = self.andpush("send-many", "--messages", path, "--tokens", path)
+        self.assertErrorLine(result, 2, "not allowed with argument")
+        self.assertFalse(tokens_sent(self.server))
+
+    def test_a_repeated_data_key_is_a_usage_error(self) -> None:
+        result = self.andpush("send-many", "--tokens", "-", "--data", "order=1",
+                              "--data", "k=v", "--data", "order=2", stdin="a\n")
+        self.assertErrorLine(result, 2, "--data gives 'order' more than once")
+        result = self.andpush("send", "--token", "a", "--data", "k=1", "--data", "k=2")
+        self.assertErrorLine(result, 2, "--data gives 'k' more than once")
+        self.assertFalse(tokens_sent(self.server))
+
+    def test_legacy_results_carry_the_canonical_token(self) -> None:
+        self.server.canonical_tokens["old"] = "new"
+        result = self.andpush("send-many", "--tokens", "-", "--title", "Hi", "--results", "-",
+                              stdin="old\nsame\n", server_key=SERVER_KEY)
+        self.assertExit(result, 0)
+        records = [json.loads(line) for line in result.stdout.splitlines()]
+        self.assertEqual([(r["token"], r["canonical_token"]) for r in records],
+                         [("old", "new"), ("same", None)])
 
 
 
@@ -8763,6 +9127,20 @@ class AsyncTimeoutErrorTest(AsyncTestCase):
             with self.assertRaisesRegex(andpush.NetworkError, "could not connect to %s within "
                                         "the connect timeout of 0.05 s" % re.escape(endpoint)):
                 await client.push(LEGACY_MESSAGE)
+
+
+class AsyncBulkCountsTest(AsyncTestCase):
+    async def test_the_async_outcomes_count_too(self) -> None:
+        self.server.by_token["t1"] = [fcm_error(404, "UNREGISTERED")]
+        outcomes = self.h2_client().push_many({"token": "t%d" % i, "data": {"k": "v"}}
+                                              for i in range(4))
+        first = await outcomes.__anext__()
+        self.assertEqual(first[0]["token"], "t0")
+        await outcomes.aclose()
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (3, 1))
+        multicast = self.h2_client().push_multicast({"data": {"k": "v"}}, ["a", ""])
+        self.assertEqual([token async for token, _ in multicast], ["a", ""])
+        self.assertEqual((multicast.success_count, multicast.failure_count), (1, 1))
 
 
 class AsyncConcurrencyTest(AsyncTestCase):
