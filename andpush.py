@@ -2036,6 +2036,7 @@ def _connect(origin: _Origin, ssl_context: ssl.SSLContext,
 
 # How to change the timeouts, for the errors that say one ran out.
 _TIMEOUT_HINT = "raise it with timeout=SECONDS"
+_X509_HOSTNAME_MISMATCH = 62  # OpenSSL's verify code: the certificate is for another host
 
 
 def _connect_error(origin: _Origin, exc: BaseException, timeout: float,
@@ -2044,12 +2045,15 @@ def _connect_error(origin: _Origin, exc: BaseException, timeout: float,
     where = "the proxy %s:%d for %r" % (origin.proxy[:2] + (origin,)) if origin.proxy \
         else repr(origin)
     if isinstance(exc, ssl.SSLCertVerificationError):
+        if exc.verify_code == _X509_HOSTNAME_MISMATCH:
+            fix = "check the endpoint, and the proxy if one answers for it"
+        else:
+            fix = ("trust the CA that issued it with ssl_context=ssl.create_default_context("
+                   "cafile=...) (--cafile on the command line); behind a proxy that inspects "
+                   "TLS, that is the proxy's CA")
         return CertificateError(
-            "the TLS certificate of %r failed verification (%s): trust the CA that issued it "
-            "with ssl_context=ssl.create_default_context(cafile=...) (--cafile on the command "
-            "line); behind a proxy that inspects TLS, that is the proxy's CA. Sending again "
-            "cannot help" % (origin, _reason(exc)),
-            may_have_been_delivered=False)
+            "the TLS certificate of %r failed verification (%s): %s. Sending again cannot "
+            "help" % (origin, _reason(exc), fix), may_have_been_delivered=False)
     if timed_out:
         return NetworkError("could not connect to %s within the connect timeout of %.3g s; "
                             "if the network is slow, %s" % (where, timeout, _TIMEOUT_HINT),
