@@ -4861,187 +4861,99 @@ def _gcloud_config_dir() -> str:
 # catches a misspelt field in a literal; at run time they are plain dicts. What is
 # free-form for FCM (data, headers, the APNs payload, the web notification) is a Dict.
 
-class Notification(TypedDict, total=False):
-    """The notification every platform shows: ``message["notification"]``."""
-    title: str
-    body: str
-    image: str
+# The notification every platform shows: message["notification"].
+Notification = TypedDict("Notification", {"title": str, "body": str, "image": str}, total=False)
 
+# message["fcm_options"], and android["fcm_options"].
+FcmOptions = TypedDict("FcmOptions", {"analytics_label": str, "analyticsLabel": str}, total=False)
 
-class FcmOptions(TypedDict, total=False):
-    """``message["fcm_options"]``, and ``android["fcm_options"]``."""
-    analytics_label: str
-    analyticsLabel: str
+# An RGBA colour, each part from 0 to 1: light_settings["color"].
+Color = TypedDict("Color", {
+    "red": float, "green": float, "blue": float, "alpha": float,
+}, total=False)
 
+# The LED of an Android notification: android["notification"]["light_settings"].
+LightSettings = TypedDict("LightSettings", {
+    "color": Color, "light_on_duration": str, "lightOnDuration": str,
+    "light_off_duration": str, "lightOffDuration": str,
+}, total=False)
 
-class Color(TypedDict, total=False):
-    """An RGBA colour, each part from 0 to 1: ``light_settings["color"]``."""
-    red: float
-    green: float
-    blue: float
-    alpha: float
+# android["notification"]: what an Android device shows.
+AndroidNotification = TypedDict("AndroidNotification", {
+    "title": str, "body": str, "icon": str, "color": str, "sound": str, "tag": str, "image": str,
+    "click_action": str, "clickAction": str, "body_loc_key": str, "bodyLocKey": str,
+    "body_loc_args": List[str], "bodyLocArgs": List[str], "title_loc_key": str, "titleLocKey": str,
+    "title_loc_args": List[str], "titleLocArgs": List[str], "channel_id": str, "channelId": str,
+    "ticker": str, "sticky": bool, "event_time": str, "eventTime": str,
+    "local_only": bool, "localOnly": bool,
+    "notification_priority": str, "notificationPriority": str,
+    "default_sound": bool, "defaultSound": bool,
+    "default_vibrate_timings": bool, "defaultVibrateTimings": bool,
+    "default_light_settings": bool, "defaultLightSettings": bool,
+    "vibrate_timings": List[str], "vibrateTimings": List[str], "visibility": str,
+    "notification_count": int, "notificationCount": int,
+    "light_settings": LightSettings, "lightSettings": LightSettings,
+    "bypass_proxy_notification": bool, "bypassProxyNotification": bool, "proxy": str,
+}, total=False)
 
+# message["android"]: Android's options.
+AndroidConfig = TypedDict("AndroidConfig", {
+    "collapse_key": str, "collapseKey": str, "priority": str, "ttl": str,
+    "restricted_package_name": str, "restrictedPackageName": str, "data": Dict[str, str],
+    "notification": AndroidNotification, "fcm_options": FcmOptions, "fcmOptions": FcmOptions,
+    "direct_boot_ok": bool, "directBootOk": bool,
+    "bandwidth_constrained_ok": bool, "bandwidthConstrainedOk": bool,
+    "restricted_satellite_ok": bool, "restrictedSatelliteOk": bool,
+}, total=False)
 
-class LightSettings(TypedDict, total=False):
-    """The LED of an Android notification: ``android["notification"]["light_settings"]``."""
-    color: Color
-    light_on_duration: str
-    lightOnDuration: str
-    light_off_duration: str
-    lightOffDuration: str
+# apns["fcm_options"].
+ApnsFcmOptions = TypedDict("ApnsFcmOptions", {
+    "analytics_label": str, "analyticsLabel": str, "image": str,
+}, total=False)
 
+# message["apns"]: Apple's options; the payload is APNs' JSON (aps and yours).
+ApnsConfig = TypedDict("ApnsConfig", {
+    "headers": Dict[str, str], "payload": Dict[str, Any],
+    "fcm_options": ApnsFcmOptions, "fcmOptions": ApnsFcmOptions,
+    "live_activity_token": str, "liveActivityToken": str,
+}, total=False)
 
-class AndroidNotification(TypedDict, total=False):
-    """``android["notification"]``: what an Android device shows."""
-    title: str
-    body: str
-    icon: str
-    color: str
-    sound: str
-    tag: str
-    image: str
-    click_action: str
-    clickAction: str
-    body_loc_key: str
-    bodyLocKey: str
-    body_loc_args: List[str]
-    bodyLocArgs: List[str]
-    title_loc_key: str
-    titleLocKey: str
-    title_loc_args: List[str]
-    titleLocArgs: List[str]
-    channel_id: str
-    channelId: str
-    ticker: str
-    sticky: bool
-    event_time: str
-    eventTime: str
-    local_only: bool
-    localOnly: bool
-    notification_priority: str
-    notificationPriority: str
-    default_sound: bool
-    defaultSound: bool
-    default_vibrate_timings: bool
-    defaultVibrateTimings: bool
-    default_light_settings: bool
-    defaultLightSettings: bool
-    vibrate_timings: List[str]
-    vibrateTimings: List[str]
-    visibility: str
-    notification_count: int
-    notificationCount: int
-    light_settings: LightSettings
-    lightSettings: LightSettings
-    bypass_proxy_notification: bool
-    bypassProxyNotification: bool
-    proxy: str
+# webpush["fcm_options"].
+WebpushFcmOptions = TypedDict("WebpushFcmOptions", {
+    "analytics_label": str, "analyticsLabel": str, "link": str,
+}, total=False)
 
+# message["webpush"]: the notification is the Web Notification API's options.
+WebpushConfig = TypedDict("WebpushConfig", {
+    "headers": Dict[str, str], "data": Dict[str, str], "notification": Dict[str, Any],
+    "fcm_options": WebpushFcmOptions, "fcmOptions": WebpushFcmOptions,
+}, total=False)
 
-class AndroidConfig(TypedDict, total=False):
-    """``message["android"]``: Android's options."""
-    collapse_key: str
-    collapseKey: str
-    priority: str
-    ttl: str
-    restricted_package_name: str
-    restrictedPackageName: str
-    data: Dict[str, str]
-    notification: AndroidNotification
-    fcm_options: FcmOptions
-    fcmOptions: FcmOptions
-    direct_boot_ok: bool
-    directBootOk: bool
-    bandwidth_constrained_ok: bool
-    bandwidthConstrainedOk: bool
-    restricted_satellite_ok: bool
-    restrictedSatelliteOk: bool
+# A v1 message, the message of FCM's messages:send: one target (token, topic, condition or fid)
+# and any of the rest. android_v2 (FCM's preview) is passed on unchecked.
+Message = TypedDict("Message", {
+    "token": str, "topic": str, "condition": str, "fid": str, "data": Dict[str, str],
+    "notification": Notification, "android": AndroidConfig,
+    "android_v2": Dict[str, Any], "androidV2": Dict[str, Any], "apns": ApnsConfig,
+    "webpush": WebpushConfig, "fcm_options": FcmOptions, "fcmOptions": FcmOptions,
+}, total=False)
 
+# The notification of a legacy message.
+LegacyNotification = TypedDict("LegacyNotification", {
+    "title": str, "body": str, "subtitle": str, "image": str, "icon": str, "sound": str,
+    "badge": str, "tag": str, "color": str, "click_action": str, "android_channel_id": str,
+    "body_loc_key": str, "body_loc_args": Union[str, List[str]], "title_loc_key": str,
+    "title_loc_args": Union[str, List[str]],
+}, total=False)
 
-class ApnsFcmOptions(FcmOptions, total=False):
-    """``apns["fcm_options"]``."""
-    image: str
-
-
-class ApnsConfig(TypedDict, total=False):
-    """``message["apns"]``: Apple's options; the payload is APNs' JSON (``aps`` and yours)."""
-    headers: Dict[str, str]
-    payload: Dict[str, Any]
-    fcm_options: ApnsFcmOptions
-    fcmOptions: ApnsFcmOptions
-    live_activity_token: str
-    liveActivityToken: str
-
-
-class WebpushFcmOptions(FcmOptions, total=False):
-    """``webpush["fcm_options"]``."""
-    link: str
-
-
-class WebpushConfig(TypedDict, total=False):
-    """``message["webpush"]``: the notification is the Web Notification API's options."""
-    headers: Dict[str, str]
-    data: Dict[str, str]
-    notification: Dict[str, Any]
-    fcm_options: WebpushFcmOptions
-    fcmOptions: WebpushFcmOptions
-
-
-class Message(TypedDict, total=False):
-    """A v1 message, the ``message`` of FCM's ``messages:send``: one target (token, topic,
-    condition or fid) and any of the rest. ``android_v2`` (FCM's preview) is passed on
-    unchecked."""
-    token: str
-    topic: str
-    condition: str
-    fid: str
-    data: Dict[str, str]
-    notification: Notification
-    android: AndroidConfig
-    android_v2: Dict[str, Any]
-    androidV2: Dict[str, Any]
-    apns: ApnsConfig
-    webpush: WebpushConfig
-    fcm_options: FcmOptions
-    fcmOptions: FcmOptions
-
-
-class LegacyNotification(TypedDict, total=False):
-    """The ``notification`` of a legacy message."""
-    title: str
-    body: str
-    subtitle: str
-    image: str
-    icon: str
-    sound: str
-    badge: str
-    tag: str
-    color: str
-    click_action: str
-    android_channel_id: str
-    body_loc_key: str
-    body_loc_args: Union[str, List[str]]
-    title_loc_key: str
-    title_loc_args: Union[str, List[str]]
-
-
-class LegacyMessage(TypedDict, total=False):
-    """A message of the legacy API (``andpush.new(server_key)``): one of to,
-    registration_ids or condition, and any of the rest; its data values may be any JSON."""
-    to: str
-    registration_ids: List[str]
-    condition: str
-    collapse_key: str
-    priority: str
-    content_available: bool
-    mutable_content: bool
-    time_to_live: int
-    restricted_package_name: str
-    direct_boot_ok: bool
-    dry_run: bool
-    data: Dict[str, Any]
-    notification: LegacyNotification
-
+# A message of the legacy API (andpush.new(server_key)): one of to, registration_ids or condition,
+# and any of the rest; its data values may be any JSON.
+LegacyMessage = TypedDict("LegacyMessage", {
+    "to": str, "registration_ids": List[str], "condition": str, "collapse_key": str,
+    "priority": str, "content_available": bool, "mutable_content": bool, "time_to_live": int,
+    "restricted_package_name": str, "direct_boot_ok": bool, "dry_run": bool,
+    "data": Dict[str, Any], "notification": LegacyNotification,
+}, total=False)
 
 _TARGETS = ("token", "topic", "condition", "fid")
 _TARGET_SET = frozenset(_TARGETS)
