@@ -7,7 +7,7 @@
             "token": device_token,
             "notification": {"title": "Update", "body": "Ready"},
         })
-        print(response.json()["name"])
+        print(response.message_id)
         for message, outcome in client.push_many(messages, concurrency=100):
             ...                           # a Response, or the error for that message
 
@@ -21,6 +21,11 @@ Python.
 
 ``andpush.new(server_key)`` makes a client of the legacy API instead
 (``andpush.build`` is another name for ``new``).
+
+A message is a plain dict, as FCM's JSON has it. For type checkers, ``andpush.Message``
+and its parts (Notification, AndroidConfig, AndroidNotification, ApnsConfig,
+WebpushConfig, FcmOptions, ...), and ``andpush.LegacyMessage``, describe them as
+TypedDicts.
 
 The life of a connection (each edge is what moves it)::
 
@@ -41,6 +46,7 @@ Errors form one tree; each says whose fault it is::
 
     Error
      +-- NetworkError      no answer: may_have_been_delivered says if it may have arrived
+     |    +-- CertificateError  the server's certificate failed verification: fix the setup
      +-- AuthError         no credentials, no access token, or FCM refused them
      +-- HTTPError         the server answered with a non-2xx status
           +-- ClientError  4xx: InvalidArgumentError, UnregisteredError, ...
@@ -70,19 +76,23 @@ import threading
 import time
 import urllib.parse
 from typing import (
-    Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Deque, Dict, Iterable, Iterator,
-    List, Mapping, NoReturn, Optional, Set, TYPE_CHECKING, Protocol, TextIO, Tuple, Type,
-    TypeVar, Union, cast,
+    Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Deque, Dict, FrozenSet, Generic,
+    Iterable, Iterator, List, Mapping, NoReturn, Optional, Set, TYPE_CHECKING, Protocol,
+    TextIO, Tuple, Type, TypedDict, TypeVar, Union, cast, overload,
 )
 
 if TYPE_CHECKING:
     import asyncio
 
 __version__ = "0.1.0"
-__all__ = [  # what help(andpush) shows: ``build``, an alias of ``new``, is left out
-    "new", "new_async", "Client", "AsyncClient", "Response", "Headers",
-    "Error", "NetworkError", "AuthError", "HTTPError", "ClientError", "ServerError",
-    "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
+# What help(andpush) shows. Left out: ``build``, an alias of ``new``, and the message
+# types (Message, Notification, AndroidConfig, ...: public all the same), each of which
+# would bring the 190 lines pydoc shows of a dict's methods.
+__all__ = [
+    "new", "new_async", "Client", "AsyncClient", "Response", "Headers", "Outcome",
+    "Outcomes", "AsyncOutcomes",
+    "Error", "NetworkError", "CertificateError", "AuthError", "HTTPError", "ClientError",
+    "ServerError", "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
     "QuotaExceededError", "ThirdPartyAuthError", "UnauthenticatedError",
     "PermissionDeniedError", "InternalError", "UnavailableError",
 ]
@@ -113,11 +123,18 @@ class Error(Exception):
 
     Every andpush error survives ``pickle`` and ``copy`` with its class, message and
     attributes (an HTTPError's ``response`` travels with it), so it can cross a process
-    pool or be stored by a result backend.
+    pool or be stored by a result backend. Its ``args`` are plain data (str, int, bool,
+    None) that rebuild it: ``type(error)(*error.args)``, as Celery's json result backend
+    does, gives the same class, message, status code and error code.
     """
 
+    def __str__(self) -> str:
+        """The message, which is the first of the args (the others rebuild the error)."""
+        return str(self.args[0]) if self.args else ""
+
     def __reduce__(self) -> Tuple[Any, ...]:
-        """Rebuild without calling ``__init__``, whose arguments are not kept in ``args``."""
+        """Rebuild without calling ``__init__``, with every attribute as it was (an
+        HTTPError's whole response, which its ``args`` do not hold)."""
         return _rebuild_error, (type(self), self.args, self.__dict__)
 
 
@@ -136,17 +153,29 @@ class NetworkError(Error, OSError):
     server, so it is safe to send again; when True, sending again may deliver it twice.
     """
 
-    def __init__(self, message: str, *, may_have_been_delivered: bool) -> None:
+    def __init__(self, message: str, may_have_been_delivered: bool) -> None:
         super().__init__(message)
+        self.args = (message, may_have_been_delivered)  # OSError's init keeps one arg
         self.may_have_been_delivered = may_have_been_delivered
+
+
+class CertificateError(NetworkError):
+    """The server's TLS certificate failed verification, so nothing was sent.
+
+    A configuration error, not an outage: a CA this machine does not trust (a test
+    server's, a private gateway's), or a proxy that intercepts TLS (a corporate one),
+    whose CA is to be trusted with ``ssl_context=`` (``--cafile``). It is never retried:
+    trying again cannot help.
+    """
 
 
 class _Stopped(NetworkError):
     """The outcome of a message a push_many took and did not send because it was stopped
     (its caller sees a NetworkError; the command line counts these as not sent)."""
 
-    def __init__(self, message: str = "not sent: push_many was stopped") -> None:
-        super().__init__(message, may_have_been_delivered=False)
+    def __init__(self, message: str = "not sent: push_many was stopped",
+                 may_have_been_delivered: bool = False) -> None:
+        super().__init__(message, may_have_been_delivered)
 
 
 class AuthError(Error):
@@ -166,12 +195,26 @@ class HTTPError(Error):
         retry_after: the seconds the server asked to wait (Retry-After), else None.
     """
 
-    def __init__(self, response: "Response") -> None:
+    def __init__(self, response: Union["Response", str], status_code: Optional[int] = None,
+                 error_code: Optional[str] = None, retry_after: Optional[float] = None) -> None:
+        """Made from the server's Response; or, as ``type(error)(*error.args)`` rebuilds it,
+        from its message, status code, error code and Retry-After seconds, with a Response
+        of that status and no headers or body."""
+        if isinstance(response, Response):
+            status_code = response.status_code
+            error_code = _error_code(response)
+            retry_after = _retry_after(response.headers.get("retry-after"))
+            message = _describe(response, error_code)
+        elif isinstance(status_code, int):
+            message, response = response, Response(status_code, "", _NO_HEADERS, b"")
+        else:
+            raise TypeError("an HTTPError is made from a Response, or from a message and the "
+                            "status code")
         self.response = response
-        self.status_code = response.status_code
-        self.error_code = _error_code(response)
-        self.retry_after = _retry_after(response.headers.get("retry-after"))
-        super().__init__(_describe(response, self.error_code))
+        self.status_code = status_code
+        self.error_code = error_code
+        self.retry_after = retry_after
+        super().__init__(message, status_code, error_code, retry_after)
 
 
 class ClientError(HTTPError):
@@ -489,6 +532,24 @@ class Response:
         return self._json
 
     @property
+    def message_id(self) -> Optional[str]:
+        """The id FCM gave the message: a v1 answer's ``name``
+        (``projects/<project>/messages/<id>``, what firebase-admin's ``send`` returns), or
+        a legacy answer's ``message_id`` (to a topic, or the one token's); else None."""
+        try:
+            answer = self.json()
+        except ValueError:
+            return None
+        if not isinstance(answer, dict):
+            return None
+        found = answer.get("name", answer.get("message_id"))
+        results = answer.get("results")
+        if found is None and isinstance(results, list) and len(results) == 1 \
+                and isinstance(results[0], dict):
+            found = results[0].get("message_id")
+        return None if found is None or isinstance(found, (dict, list)) else str(found)
+
+    @property
     def errors(self) -> Dict[str, str]:
         """Legacy API: each token whose result is an error, mapped to that error."""
         return {token: result["error"] for token, result in self._results() if "error" in result}
@@ -527,6 +588,12 @@ _UNPARSED = object()
 
 #: What one message of a push_many ends in: its Response, or the error push() would raise.
 Outcome = Union[Response, Exception]
+
+
+def _is_failure(outcome: Outcome) -> bool:
+    """Whether an outcome counts as a failure: an error, or a legacy 200 whose results hold
+    an error for the token (push returns it, but the token was refused)."""
+    return isinstance(outcome, Exception) or bool(outcome._device_tokens and outcome.errors)
 
 
 # Policy ######################################################################
@@ -582,6 +649,8 @@ class _Retry:
         return self._next(retries=self.retries - 1, may_refresh=self.may_refresh), wait
 
     def _retryable(self, error: Error) -> bool:
+        if isinstance(error, CertificateError):  # the setup is wrong: it will fail again
+            return False
         if isinstance(error, NetworkError):
             return self.idempotent or not error.may_have_been_delivered
         if self.idempotent and isinstance(error, HTTPError):
@@ -790,7 +859,7 @@ def _paused(cause: Response, remaining: float) -> QuotaExceededError:
     error = QuotaExceededError(cause)
     error.retry_after = remaining
     error.args = ("not sent: the client waits %.3g s more after FCM's 429 (%s)"
-                  % (remaining, error),)
+                  % (remaining, error), error.status_code, error.error_code, remaining)
     return error
 
 
@@ -1825,14 +1894,14 @@ class _H2Connection:
         self.outgoing += _frame(_RST_STREAM, 0, stream.id, _CANCEL.to_bytes(4, "big"))
         self._finish(stream.id, error)
 
-    def expire(self, now: float) -> None:
-        """End the streams whose deadline (driver time, as given to ``start``) has passed."""
+    def expire(self, now: float, no_answer: Callable[[Any, bool], Exception]) -> None:
+        """End the streams whose deadline (driver time, as given to ``start``) has passed,
+        each with the error ``no_answer(key, sent)`` makes for its key (``sent``: whether
+        the server may have processed it)."""
         if now < self._earliest:
             return
         for stream in [s for s in self.streams.values() if s.deadline <= now]:
-            self._reset(stream, NetworkError(
-                "no answer within the read timeout",
-                may_have_been_delivered=self.may_have_arrived(stream)))
+            self._reset(stream, no_answer(stream.key, self.may_have_arrived(stream)))
         self._earliest = min([s.deadline for s in self.streams.values()] + [math.inf])
 
     def next_deadline(self) -> float:
@@ -1997,9 +2066,35 @@ def _connect(origin: _Origin, ssl_context: ssl.SSLContext,
         return _TLSSocket(sock, ssl_context, origin.host) if origin.scheme == "https" else sock
     except (OSError, http.client.HTTPException) as exc:
         conn.close()
-        where = "the proxy %s:%d for %r" % (address + (origin,)) if origin.proxy else repr(origin)
-        raise NetworkError("could not connect to %s: %s" % (where, _reason(exc)),
-                           may_have_been_delivered=False) from exc
+        raise _connect_error(origin, exc, timeout, isinstance(exc, socket.timeout)) from exc
+
+
+# How to change the timeouts, for the errors that say one ran out.
+_TIMEOUT_HINT = "raise it with timeout=SECONDS"
+_X509_HOSTNAME_MISMATCH = 62  # OpenSSL's verify code: the certificate is for another host
+
+
+def _connect_error(origin: _Origin, exc: BaseException, timeout: float,
+                   timed_out: bool) -> NetworkError:
+    """The error of a connection to ``origin`` that did not come up (nothing was sent)."""
+    where = "the proxy %s:%d for %r" % (origin.proxy[:2] + (origin,)) if origin.proxy \
+        else repr(origin)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        if exc.verify_code == _X509_HOSTNAME_MISMATCH:
+            fix = "check the endpoint, and the proxy if one answers for it"
+        else:
+            fix = ("trust the CA that issued it with ssl_context=ssl.create_default_context("
+                   "cafile=...) (--cafile on the command line); behind a proxy that inspects "
+                   "TLS, that is the proxy's CA")
+        return CertificateError(
+            "the TLS certificate of %r failed verification (%s): %s. Sending again cannot "
+            "help" % (origin, _reason(exc), fix), may_have_been_delivered=False)
+    if timed_out:
+        return NetworkError("could not connect to %s within the connect timeout of %.3g s; "
+                            "if the network is slow, %s" % (where, timeout, _TIMEOUT_HINT),
+                            may_have_been_delivered=False)
+    return NetworkError("could not connect to %s: %s" % (where, _reason(exc)),
+                        may_have_been_delivered=False)
 
 
 class _TLSSocket:
@@ -2257,6 +2352,21 @@ _EARLY_WRITE = 8 * 1024
 # the asyncio client begins its callers' pushes in runs as well, so that the first of a
 # burst go out (see _EARLY_WRITE) while the rest are being made.
 _RUN = 32
+
+
+def _no_answer(exchange: _Exchange, read_timeout: float, sent: bool = True) -> NetworkError:
+    """The error of a request whose answer did not come within its read timeout (its own
+    ``timeout``, else the client's): which, how long, where, and how to change it.
+    ``sent``: whether any of it went out (else it was not processed)."""
+    path = exchange.path.partition("?")[0]
+    if "/registrations/" in path:  # a topic change: its path holds a device token
+        path = path.partition("/registrations/")[0] + "/registrations/..."
+    return NetworkError(
+        "no answer from %r%s within the read timeout of %.3g s (%s); if the server is slow, %s"
+        % (exchange.route, path, exchange.timeout or read_timeout,
+           "the request may have been processed" if sent else "the request did not go out",
+           _TIMEOUT_HINT),
+        may_have_been_delivered=sent)
 
 
 class _Engine:
@@ -2690,11 +2800,10 @@ class _Engine:
         if route.connections():
             self._place(route)
             return
-        error = route.connect_error
-        reason = str(error) if error is not None else "no connection to %r" % (route,)
+        error = route.connect_error or NetworkError("no connection to %r" % (route,), False)
         waiting, route.waiting = route.waiting, collections.deque()
-        for exchange in waiting:
-            self._settle(exchange, NetworkError(reason, may_have_been_delivered=False))
+        for exchange in waiting:  # each its own copy, of the same class
+            self._settle(exchange, type(error)(*error.args))
 
     def _answered(self, link: _Link) -> None:
         """An answer came on ``link``: the server works, and a later failed connect starts
@@ -2900,12 +3009,14 @@ class _Engine:
                 if conn.state == "WAITING_FOR_SETTINGS":
                     if now - h2.opened > self._connect_timeout:
                         self._hold_off(route, NetworkError(
-                            "%r sent no HTTP/2 SETTINGS within %.3g s"
-                            % (route, self._connect_timeout), may_have_been_delivered=False))
+                            "%r sent no HTTP/2 SETTINGS within the connect timeout of %.3g s;"
+                            " if the server is slow, %s"
+                            % (route, self._connect_timeout, _TIMEOUT_HINT),
+                            may_have_been_delivered=False))
                         self._drop(h2)
                         self._fail_unless_connected(route)
                     continue
-                conn.expire(now)
+                conn.expire(now, lambda key, sent: _no_answer(key, self._read_timeout, sent))
                 if conn.finished:
                     self._collect(h2)
                 if not conn.streams and now - h2.idle_since > self._keep_alive_timeout:
@@ -2919,9 +3030,7 @@ class _Engine:
                 if exchange is not None and exchange.deadline <= now:
                     self._drop(h1)
                     h1.exchange = None
-                    self._settle(exchange, NetworkError(
-                        "no answer from %r within the read timeout" % (route,),
-                        may_have_been_delivered=True))
+                    self._settle(exchange, _no_answer(exchange, self._read_timeout))
             for h1 in list(route.idle):
                 if now - h1.idle_since > self._keep_alive_timeout:
                     self._drop(h1)
@@ -2944,17 +3053,27 @@ class _Engine:
             return
         late = [e for e in route.waiting if e.send_by <= now]
         route.waiting = collections.deque(e for e in route.waiting if e.send_by > now)
-        usable = any(link.usable for link in route.links())
         for exchange in late:
-            waited = exchange.timeout or self._connect_timeout
-            if usable:
-                reason = "no connection to %r had room for it within %.3g s" % (route, waited)
-            else:
-                reason = "no connection to %r came up within %.3g s" % (route, waited)
-                if route.connect_error is not None:
-                    reason += " (the last failed: %s)" % route.connect_error
-            self._settle(exchange, NetworkError("not sent: " + reason,
-                                                may_have_been_delivered=False))
+            self._settle(exchange, NetworkError(
+                "not sent: %s" % self._why_not_sent(route, exchange.timeout),
+                may_have_been_delivered=False))
+
+    def _why_not_sent(self, route: _Route, timeout: float) -> str:
+        """Why a try on ``route`` with the call's ``timeout`` (0: none) did not go out."""
+        wait = ("the call's timeout of %.3g s" % timeout if timeout
+                else "the connect timeout of %.3g s" % self._connect_timeout)
+        if any(link.conn.state == "WAITING_FOR_SETTINGS" for link in route.h2):
+            return "%r sent no HTTP/2 SETTINGS within %s; if the server is slow, %s" % (
+                route, wait, _TIMEOUT_HINT)
+        if any(link.usable for link in route.links()):
+            return "no connection to %r had room for it within %s" % (route, wait)
+        if route.connecting:
+            return "could not connect to %r within %s; if the network is slow, %s" % (
+                route, wait, _TIMEOUT_HINT)
+        reason = "no connection to %r came up within %s" % (route, wait)
+        if route.connect_error is not None:
+            reason += " (the last failed: %s)" % route.connect_error
+        return reason
 
     def _soon(self, deadline: float) -> None:
         """Something new is due at ``deadline``: a request's answer, a connection's
@@ -3558,11 +3677,8 @@ class _AsyncDriver(_Engine):
         try:
             carrier = await asyncio.wait_for(self._open_carrier(origin), self._connect_timeout)
         except (OSError, asyncio.TimeoutError, _ProtocolError) as exc:
-            where = ("the proxy %s:%d for %r" % (origin.proxy[:2] + (origin,))
-                     if origin.proxy else repr(origin))
-            reason = _reason(exc) if not isinstance(exc, asyncio.TimeoutError) else "timed out"
-            error = NetworkError("could not connect to %s: %s" % (where, reason),
-                                 may_have_been_delivered=False)
+            error = _connect_error(origin, exc, self._connect_timeout,
+                                   isinstance(exc, asyncio.TimeoutError))
             self._guarded(self._connect_failed, route, error, generation)
             return
         ssl_object = carrier.transport.get_extra_info("ssl_object")
@@ -4197,7 +4313,8 @@ class _AsyncBatch(_Batch):
 
 #: The OAuth2 scope that FCM v1 requires.
 FCM_SCOPE = "https://www.googleapis.com/auth/firebase.messaging"
-_GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"
+_GOOGLE_TOKEN_URI = "https://oauth2.googleapis.com/token"  # also every Google JWT's audience
+_GOOGLE_TOKEN_HOSTS = ("accounts.google.com", "googleapis.com")  # and *.googleapis.com
 _METADATA_HOST = "metadata.google.internal"
 _JWT_LIFETIME = 3600           # seconds, the most Google accepts
 _TOKEN_REFRESH_MARGIN = 300.0  # seconds before expiry at which a token is replaced
@@ -4231,6 +4348,7 @@ _MIN_RSA_BITS = 1024  # Google issues 2048-bit keys; anything smaller is broken 
 _PEM_BEGIN = "-----BEGIN "
 _PEM_END = "-----END "
 _PEM_DASHES = "-----"
+_PEM_LABEL = r"(?=.{1,40}\Z)[A-Z0-9]+(?:[ -][A-Z0-9]+)*\Z"  # "RSA PRIVATE KEY": RFC 7468
 _PKCS8_LABEL = "PRIVATE KEY"
 _PKCS1_LABEL = "RSA PRIVATE KEY"
 _FIX_HINT = "use the private_key value from the service account JSON file unchanged"
@@ -4398,14 +4516,19 @@ def _pem_decode(pem: str) -> Tuple[str, bytes]:
     lines = [line.strip() for line in pem.splitlines()]
     begins = [index for index, line in enumerate(lines) if line.startswith(_PEM_BEGIN)]
     first = lines[begins[0]] if begins else ""
-    if not first.endswith(_PEM_DASHES):
-        hint = " (it has literal '\\n' sequences: decode the JSON string)" if "\\n" in pem else ""
-        raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
     label = first[len(_PEM_BEGIN) : -len(_PEM_DASHES)]
+    if not first.endswith(_PEM_DASHES) or not re.match(_PEM_LABEL, label):
+        if "\\n" in pem:
+            hint = " (it has literal '\\n' sequences: decode the JSON string)"
+        elif first:  # the key runs on after the BEGIN line: never shown, as the label
+            hint = " (its BEGIN line runs on into the key: are its line breaks missing?)"
+        else:
+            hint = ""
+        raise ValueError(f"private_key is not a PEM private key{hint}; {_FIX_HINT}")
     if label in _WRONG_LABELS:
         raise ValueError(f"private_key {_WRONG_LABELS[label]}")
     if label not in (_PKCS8_LABEL, _PKCS1_LABEL):
-        raise ValueError(f"private_key has unsupported PEM type {label[:40]!r}; {_FIX_HINT}")
+        raise ValueError(f"private_key has unsupported PEM type {label!r}; {_FIX_HINT}")
     if len(begins) > 1:
         raise ValueError("private_key holds more than one PEM block; pass only the private key")
     end_line = f"{_PEM_END}{label}{_PEM_DASHES}"
@@ -4530,9 +4653,10 @@ class _ServiceAccount(_TokenGrant):
             self._key = _parse_private_key(_field(info, "private_key"))
         except ValueError as exc:
             raise AuthError("service account key: %s" % exc) from None
-        self._token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
+        token_uri = str(info.get("token_uri") or _GOOGLE_TOKEN_URI)
+        self._audience = _GOOGLE_TOKEN_URI if _is_google(token_uri) else token_uri
         self.project_id = info.get("project_id") or None
-        super().__init__(self._token_uri, engine)
+        super().__init__(token_uri, engine)
 
     def _grant(self) -> Dict[str, str]:
         return {
@@ -4546,10 +4670,21 @@ class _ServiceAccount(_TokenGrant):
         if self._key_id:  # left out when the key file has none, as google-auth does
             header["kid"] = str(self._key_id)
         claims = {
-            "iss": self._email, "scope": FCM_SCOPE, "aud": self._token_uri,
+            "iss": self._email, "scope": FCM_SCOPE, "aud": self._audience,
             "iat": now, "exp": now + _JWT_LIFETIME,
         }
         return _jwt(header, claims, self._key)
+
+
+def _is_google(token_uri: str) -> bool:
+    """Whether a key file's token_uri is one of Google's token endpoints (older key files
+    name https://accounts.google.com/o/oauth2/token), for which Google defines the JWT's
+    audience as _GOOGLE_TOKEN_URI whatever the endpoint, as google-auth signs it; any
+    other (a gateway, a test double) is the audience itself."""
+    parts = urllib.parse.urlsplit(token_uri)
+    host = (parts.hostname or "").lower()
+    return parts.scheme == "https" and (
+        host in _GOOGLE_TOKEN_HOSTS or host.endswith(".googleapis.com"))
 
 
 class _AuthorizedUser(_TokenGrant):
@@ -4645,8 +4780,11 @@ def _is_header_token(token: str) -> bool:
 
 def _field(info: Dict[str, Any], name: str) -> str:
     value = info.get(name)
-    if not isinstance(value, str) or not value:
+    if value is None or value == "":
         raise AuthError("credentials have no %r; use the JSON key file as downloaded" % name)
+    if not isinstance(value, str):
+        raise AuthError("the %r of the credentials is %s, not a string; use the JSON key file "
+                        "as downloaded" % (name, type(value).__name__))
     return value
 
 
@@ -4666,6 +4804,8 @@ def _token_answer(outcome: Optional[Outcome]) -> Response:
     if isinstance(outcome, Response):
         return outcome
     assert isinstance(outcome, Error)
+    if isinstance(outcome, CertificateError):  # says it was not sent, and what to fix
+        raise outcome
     if isinstance(outcome, NetworkError):
         raise NetworkError("not sent: no access token: %s" % outcome,
                            may_have_been_delivered=False) from None
@@ -4782,12 +4922,24 @@ class _TokenCache:
         return token
 
 
-def _load_credentials(source: object, engine: _Engine) -> _Credentials:
-    """Credentials from a key file path, a dict, or a JSON string."""
+_CREDENTIALS_TYPE = r"[a-z][a-z_]{0,39}\Z"  # what Google's key files say: service_account
+_NAME_MAX = 255   # characters in the longest file name of the common file systems
+_PATH_MAX = 4096  # characters in the longest path Linux takes
+_EXTENSION = r"\.[A-Za-z0-9]{1,5}\Z"  # .json, .key: what ends the name of a file
+_CONTROL_CHARACTER = r"[\x00-\x1f\x7f]"
+_BASE64_TEXT = r"(?:[A-Za-z0-9+/]+|[A-Za-z0-9_-]+)=*\Z"  # base64 or base64url, line breaks gone
+_MIN_BASE64_BLOB = 64  # characters of base64 from which a string is not taken for a path
+_TAKE_FULL_KEY_FILE = "pass the whole service account JSON key file (its path, its text or " \
+    "a dict), which holds the key with the client_email it belongs to"
+
+
+def _load_credentials(source: object, engine: _Engine, name: str = "credentials=") -> _Credentials:
+    """Credentials from a key file path, a dict, or a JSON string (``name`` says where
+    they came from, for the errors)."""
     if isinstance(source, dict):
         info = source
     elif isinstance(source, (str, os.PathLike)):
-        info = _read_json_credentials(source)
+        info = _read_json_credentials(source, name)
     else:
         raise TypeError(
             "credentials must be a path, a dict or a JSON string, got %s" % type(source).__name__
@@ -4797,36 +4949,120 @@ def _load_credentials(source: object, engine: _Engine) -> _Credentials:
         return _ServiceAccount(info, engine)
     if kind == "authorized_user":
         return _AuthorizedUser(info, engine)
-    raise AuthError(
-        "credentials of type %r are not supported; use a service account key file "
-        "or gcloud's application default credentials" % (kind,)
-    )
+    if kind is None and "project_info" in info and "client" in info:
+        raise AuthError(
+            "credentials are google-services.json, the Android app's Firebase config, which "
+            "holds no key: andpush needs a service account key file (Firebase console, "
+            "Project settings, Service accounts, Generate new private key)"
+        )
+    if kind is None:
+        problem = "credentials have no 'type'"
+    elif isinstance(kind, str) and re.match(_CREDENTIALS_TYPE, kind):
+        problem = "credentials of type %r are not supported" % kind
+    else:  # not shown: it may be anything, a key included
+        problem = "credentials of an unknown type are not supported"
+    raise AuthError(problem + "; use a service account key file or gcloud's application "
+                    "default credentials")
 
 
-def _read_json_credentials(source: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+def _read_json_credentials(source: Union[str, "os.PathLike[str]"], name: str) -> Dict[str, Any]:
+    """The JSON object that ``source`` is, or that the file it names holds.
+
+    A string that names no readable file is shown back only when it has the shape of a
+    path (``_looks_like_path``); otherwise it is described by its shape and length, since
+    it may be key material: a pasted key, base64 of a key file, a token. The errors are
+    raised outside the ``except`` blocks, so that no exception chained to them (an
+    OSError's filename, a JSONDecodeError's document) holds the string either.
+    """
     text = str(source)
-    what = "credentials"
-    if text.lstrip()[:1] not in ("{", "["):
-        what = "credentials file %r" % text
-        try:
-            with open(source, encoding="utf-8") as file:
-                text = file.read()
-        except OSError as exc:
-            raise AuthError("cannot read %s: %s" % (what, exc.strerror or exc)) from None
+    if text.lstrip()[:1] in ("{", "["):
+        return _parse_json_credentials(text, name.rstrip("="))
+    problem, is_path = None, True
+    try:
+        with open(source, encoding="utf-8") as file:
+            contents = file.read()
+    except UnicodeDecodeError:  # a file, but not text: a .p12 key?
+        problem = "it is not UTF-8 text, as a JSON key file is"
+    except (OSError, ValueError) as exc:  # ValueError: a NUL character, which no path holds
+        problem = getattr(exc, "strerror", None) or "it cannot be opened"
+        is_path = isinstance(source, os.PathLike) or _looks_like_path(text)
+    if problem is None:
+        return _parse_json_credentials(contents, "credentials file %r" % text)
+    if is_path:
+        raise AuthError("cannot read credentials file %r: %s" % (text, problem))
+    hint = _shape_hint(text)
+    if not hint:
+        hint = ("it holds line breaks, as no path does: " if "\n" in text else "") \
+            + _TAKE_FULL_KEY_FILE
+    raise AuthError("%s is a string of %s characters that is neither JSON nor the path of a "
+                    "file; %s" % (name, format(len(text), ","), hint))
+
+
+def _parse_json_credentials(text: str, what: str) -> Dict[str, Any]:
     try:
         info = json.loads(text)
     except ValueError:
-        raise AuthError("%s is not JSON; use the key file as downloaded" % what) from None
+        info = None
+    if info is None:
+        raise AuthError("%s is not JSON; %s" % (what, _shape_hint(text) or
+                                                 "use the key file as downloaded"))
     if not isinstance(info, dict):
         raise AuthError("%s is not a JSON object; use the key file as downloaded" % what)
     return info
+
+
+def _looks_like_path(text: str) -> bool:
+    """Whether a string may be shown back as the path it was meant to be: no control
+    character or line break, no part longer than a file name can be, not PEM or base64
+    text, and either a name with an extension (``key.json``) or a path whose folder
+    exists (``/run/secrets/fcm``). A token or key pasted by mistake is none of these."""
+    parts = re.split(r"[/\\]", text)
+    if (len(text) > _PATH_MAX or re.search(_CONTROL_CHARACTER, text)
+            or max(len(part) for part in parts) > _NAME_MAX
+            or _PEM_BEGIN in text or _base64_payload(text) is not None):
+        return False
+    if re.search(_EXTENSION, parts[-1]):
+        return True
+    return len(parts) > 1 and os.path.isdir(os.path.dirname(text))
+
+
+def _base64_payload(text: str) -> Optional[bytes]:
+    """What a string decodes to if it is base64 (or base64url) text, perhaps with line
+    breaks as ``base64`` writes them; None if it is not, or is too short to tell."""
+    compact = "".join(text.split())
+    if len(compact) < 16 or not re.match(_BASE64_TEXT, compact):
+        return None
+    digits = compact.rstrip("=").replace("+", "-").replace("/", "_")
+    try:
+        payload = base64.urlsafe_b64decode(digits + "=" * (-len(digits) % 4))
+    except (binascii.Error, ValueError):
+        return None
+    known = payload.lstrip()[:1] == b"{" or payload.startswith((b"-----BEGIN", b"\x30\x82"))
+    return payload if known or len(compact) >= _MIN_BASE64_BLOB else None
+
+
+def _shape_hint(text: str) -> str:
+    """What credentials text that is no key file looks like, and what to pass instead
+    (empty: nothing to tell); it says nothing of the text but its shape."""
+    payload = _base64_payload(text)
+    if _PEM_BEGIN in text:
+        return "it holds a PEM block, which is only a part of a key file: " + _TAKE_FULL_KEY_FILE
+    if payload is not None and payload.lstrip()[:1] == b"{":
+        return "it looks like base64 of a key file: decode it (base64.b64decode) and pass " \
+            "the JSON, or pass the file's path"
+    if payload is not None and payload.startswith((b"-----BEGIN", b"\x30\x82")):
+        return "it looks like base64 of a private key, which is only a part of a key file: " \
+            + _TAKE_FULL_KEY_FILE
+    if payload is not None:
+        return "it looks like base64 of something else than a key file: " + _TAKE_FULL_KEY_FILE
+    return ""
 
 
 def _application_default_credentials(engine: _Engine) -> _Credentials:
     """Application Default Credentials, looked up in the order Google's libraries use."""
     path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     if path:
-        return _load_credentials(path, engine)
+        return _load_credentials(path, engine, "GOOGLE_APPLICATION_CREDENTIALS")
     tried = ["GOOGLE_APPLICATION_CREDENTIALS (not set)"]
     gcloud = os.path.join(_gcloud_config_dir(), "application_default_credentials.json")
     if os.path.exists(gcloud):
@@ -4848,11 +5084,113 @@ def _gcloud_config_dir() -> str:
 # Messages ####################################################################
 # The two FCM APIs: where a message goes, how it is wrapped, and what is wrong with it.
 
+# The messages as types: TypedDicts (total=False: any field may be left out) of the v1
+# message and its parts, with each field under both of the names FCM takes (proto3 JSON:
+# ``fcm_options`` and ``fcmOptions``), and of the legacy message. A type checker then
+# catches a misspelt field in a literal; at run time they are plain dicts. What is
+# free-form for FCM (data, headers, the APNs payload, the web notification) is a Dict.
+
+# The notification every platform shows: message["notification"].
+Notification = TypedDict("Notification", {"title": str, "body": str, "image": str}, total=False)
+
+# message["fcm_options"], and android["fcm_options"].
+FcmOptions = TypedDict("FcmOptions", {"analytics_label": str, "analyticsLabel": str}, total=False)
+
+# An RGBA colour, each part from 0 to 1: light_settings["color"].
+Color = TypedDict("Color", {
+    "red": float, "green": float, "blue": float, "alpha": float,
+}, total=False)
+
+# The LED of an Android notification: android["notification"]["light_settings"].
+LightSettings = TypedDict("LightSettings", {
+    "color": Color, "light_on_duration": str, "lightOnDuration": str,
+    "light_off_duration": str, "lightOffDuration": str,
+}, total=False)
+
+# android["notification"]: what an Android device shows.
+AndroidNotification = TypedDict("AndroidNotification", {
+    "title": str, "body": str, "icon": str, "color": str, "sound": str, "tag": str, "image": str,
+    "click_action": str, "clickAction": str, "body_loc_key": str, "bodyLocKey": str,
+    "body_loc_args": List[str], "bodyLocArgs": List[str], "title_loc_key": str, "titleLocKey": str,
+    "title_loc_args": List[str], "titleLocArgs": List[str], "channel_id": str, "channelId": str,
+    "ticker": str, "sticky": bool, "event_time": str, "eventTime": str,
+    "local_only": bool, "localOnly": bool,
+    "notification_priority": str, "notificationPriority": str,
+    "default_sound": bool, "defaultSound": bool,
+    "default_vibrate_timings": bool, "defaultVibrateTimings": bool,
+    "default_light_settings": bool, "defaultLightSettings": bool,
+    "vibrate_timings": List[str], "vibrateTimings": List[str], "visibility": str,
+    "notification_count": int, "notificationCount": int,
+    "light_settings": LightSettings, "lightSettings": LightSettings,
+    "bypass_proxy_notification": bool, "bypassProxyNotification": bool, "proxy": str,
+}, total=False)
+
+# message["android"]: Android's options.
+AndroidConfig = TypedDict("AndroidConfig", {
+    "collapse_key": str, "collapseKey": str, "priority": str, "ttl": str,
+    "restricted_package_name": str, "restrictedPackageName": str, "data": Dict[str, str],
+    "notification": AndroidNotification, "fcm_options": FcmOptions, "fcmOptions": FcmOptions,
+    "direct_boot_ok": bool, "directBootOk": bool,
+    "bandwidth_constrained_ok": bool, "bandwidthConstrainedOk": bool,
+    "restricted_satellite_ok": bool, "restrictedSatelliteOk": bool,
+}, total=False)
+
+# apns["fcm_options"].
+ApnsFcmOptions = TypedDict("ApnsFcmOptions", {
+    "analytics_label": str, "analyticsLabel": str, "image": str,
+}, total=False)
+
+# message["apns"]: Apple's options; the payload is APNs' JSON (aps and yours).
+ApnsConfig = TypedDict("ApnsConfig", {
+    "headers": Dict[str, str], "payload": Dict[str, Any],
+    "fcm_options": ApnsFcmOptions, "fcmOptions": ApnsFcmOptions,
+    "live_activity_token": str, "liveActivityToken": str,
+}, total=False)
+
+# webpush["fcm_options"].
+WebpushFcmOptions = TypedDict("WebpushFcmOptions", {
+    "analytics_label": str, "analyticsLabel": str, "link": str,
+}, total=False)
+
+# message["webpush"]: the notification is the Web Notification API's options.
+WebpushConfig = TypedDict("WebpushConfig", {
+    "headers": Dict[str, str], "data": Dict[str, str], "notification": Dict[str, Any],
+    "fcm_options": WebpushFcmOptions, "fcmOptions": WebpushFcmOptions,
+}, total=False)
+
+# A v1 message, the message of FCM's messages:send: one target (token, topic, condition or fid)
+# and any of the rest. android_v2 (FCM's preview) is passed on unchecked.
+Message = TypedDict("Message", {
+    "token": str, "topic": str, "condition": str, "fid": str, "data": Dict[str, str],
+    "notification": Notification, "android": AndroidConfig,
+    "android_v2": Dict[str, Any], "androidV2": Dict[str, Any], "apns": ApnsConfig,
+    "webpush": WebpushConfig, "fcm_options": FcmOptions, "fcmOptions": FcmOptions,
+}, total=False)
+
+# The notification of a legacy message.
+LegacyNotification = TypedDict("LegacyNotification", {
+    "title": str, "body": str, "subtitle": str, "image": str, "icon": str, "sound": str,
+    "badge": str, "tag": str, "color": str, "click_action": str, "android_channel_id": str,
+    "body_loc_key": str, "body_loc_args": Union[str, List[str]], "title_loc_key": str,
+    "title_loc_args": Union[str, List[str]],
+}, total=False)
+
+# A message of the legacy API (andpush.new(server_key)): one of to, registration_ids or condition,
+# and any of the rest; its data values may be any JSON.
+LegacyMessage = TypedDict("LegacyMessage", {
+    "to": str, "registration_ids": List[str], "condition": str, "collapse_key": str,
+    "priority": str, "content_available": bool, "mutable_content": bool, "time_to_live": int,
+    "restricted_package_name": str, "direct_boot_ok": bool, "dry_run": bool,
+    "data": Dict[str, Any], "notification": LegacyNotification,
+}, total=False)
+
 _TARGETS = ("token", "topic", "condition", "fid")
 _TARGET_SET = frozenset(_TARGETS)
+_LEGACY_TARGETS = ("to", "registration_ids", "condition")
 _MULTICAST_FIELDS = ("tokens", "registration_ids")  # other clients' ways to name many targets
 # Patterns are compiled when first used (the re module keeps them): most never are.
 _TOPIC_NAME = r"[a-zA-Z0-9\-_.~%]{1,900}\Z"
+_TOPIC_PREFIX = "/topics/"  # the legacy API's way to name a topic, dropped as firebase-admin does
 _RESERVED_DATA_KEYS = ("from", "message_type")
 _RESERVED_DATA_PREFIXES = ("google", "gcm")
 #: Bytes of a data payload FCM takes, counting each key and value in UTF-8.
@@ -4868,6 +5206,38 @@ _NOTIFICATION_TEXTS = ("title", "body", "image")
 _PLATFORMS = ("android", "apns", "webpush")
 _SECTIONS = frozenset(("fcm_options", "fcmOptions") + _PLATFORMS)  # checked when present
 
+# The fields FCM knows in each object of a v1 message, by where it lies (proto3 JSON takes
+# both names of each); a name it does not know is refused (INVALID_ARGUMENT), and so is
+# one here when it is a slip: near a known name, or a field of another place.
+_KNOWN_FIELDS = {
+    where: frozenset(kind.__annotations__) for where, kind in (
+        ("", Message), ("notification", Notification), ("fcm_options", FcmOptions),
+        ("android", AndroidConfig), ("android.notification", AndroidNotification),
+        ("android.fcm_options", FcmOptions), ("android.notification.light_settings",
+                                              LightSettings),
+        ("android.notification.light_settings.color", Color), ("apns", ApnsConfig),
+        ("apns.fcm_options", ApnsFcmOptions), ("webpush", WebpushConfig),
+        ("webpush.fcm_options", WebpushFcmOptions),
+    )
+}
+_KNOWN_FIELDS[""] |= {"name"}  # the message's id: FCM's answer has it, and FCM takes it back
+_MESSAGE_FIELDS = _KNOWN_FIELDS[""]
+_NOTIFICATION_FIELDS = _KNOWN_FIELDS["notification"]
+_NEAR = 0.8  # how alike (difflib's ratio) an unknown name and a known one are for a slip
+# The legacy API's fields, given to a v1 client: where each went.
+_LEGACY_FIELDS = {
+    "to": "the target is 'token' (a device), 'topic' (a name, without /topics/) or "
+          "'condition'",
+    "priority": "it is android.priority, and apns.headers 'apns-priority' ('10' or '5')",
+    "time_to_live": "it is android.ttl (a string, such as \"3600s\"), and apns.headers "
+                    "'apns-expiration'",
+    "collapse_key": "it is android.collapse_key, and apns.headers 'apns-collapse-id'",
+    "content_available": "it is apns.payload {\"aps\": {\"content-available\": 1}}",
+    "mutable_content": "it is apns.payload {\"aps\": {\"mutable-content\": 1}}",
+    "restricted_package_name": "it is android.restricted_package_name",
+    "dry_run": "pass validate_only=True to push() instead",
+}
+
 
 def _check_dict(message: object) -> Dict[str, Any]:
     if not isinstance(message, dict):
@@ -4876,19 +5246,16 @@ def _check_dict(message: object) -> Dict[str, Any]:
 
 
 def _check_message(message: object) -> Dict[str, Any]:
-    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix.
+    """Check a v1 Message before it is sent: raise TypeError/ValueError saying what to fix;
+    return the message to send (a copy when a topic had a /topics/ prefix, dropped).
 
     Only what FCM is known to refuse is refused, and each check looks only at fields that
-    are present, so a typical message costs a few dict lookups more.
+    are present, so a typical message costs a few dict lookups and set tests more.
     """
     message = _check_dict(message)
     fields = message.keys()
-    if not fields.isdisjoint(_MULTICAST_FIELDS):
-        field = next(name for name in _MULTICAST_FIELDS if name in message)
-        raise ValueError(
-            "a v1 message has one target, not %r: to send it to many devices, leave %r "
-            "out and call client.push_multicast(message, tokens)" % (field, field)
-        )
+    if not fields <= _MESSAGE_FIELDS:
+        _check_fields(message, "")
     targets = fields & _TARGET_SET
     if len(targets) != 1:
         raise ValueError(
@@ -4897,17 +5264,26 @@ def _check_message(message: object) -> Dict[str, Any]:
         )
     (name,) = targets
     target = message[name]
-    if not isinstance(target, str) or not target:
-        raise ValueError("message %r must be a non-empty str" % name)
-    if name == "topic":
-        _check_topic(target)
+    if name == "token":
+        _check_device_token(target)
+    elif name == "topic":
+        topic = _topic_name(target, "message 'topic'")
+        if topic is not target:
+            message = dict(message, topic=topic)
+    elif not isinstance(target, str):
+        raise TypeError("message %r must be a str, got %s" % (name, type(target).__name__))
+    elif not target:
+        raise ValueError("message %r is empty" % name)
     data = message.get("data")
     if data is not None:
         _check_data(data, "data")
     notification = message.get("notification")
     if notification is not None:
-        _check_texts(_check_section(notification, "notification"), "notification")
-    if message.keys().isdisjoint(_SECTIONS):
+        notification = _check_section(notification, "notification")
+        if not notification.keys() <= _NOTIFICATION_FIELDS:
+            _check_fields(notification, "notification")
+        _check_texts(notification, "notification")
+    if fields.isdisjoint(_SECTIONS):
         return message  # the usual message: no options, no platform's config
     _check_fcm_options(message, "")
     for platform in _PLATFORMS:
@@ -4915,6 +5291,60 @@ def _check_message(message: object) -> Dict[str, Any]:
         if config is not None:
             _check_platform(platform, _check_section(config, platform))
     return message
+
+
+def _check_fields(section: Dict[str, Any], where: str) -> None:
+    """Refuse a field FCM does not know in the object at ``where`` ("" for the message)
+    when it is a slip: the message's request body around it, a legacy field, a name near a
+    known one (a typo, another case), or a field of another place; each says what to do.
+    A name like none of these is left to FCM, which may know a field newer than this list."""
+    known = _KNOWN_FIELDS[where]
+    for name in section:
+        if name in known or not isinstance(name, str):
+            continue
+        problem = _slip(name, section, where, known)
+        if problem:
+            raise ValueError(problem)
+
+
+def _slip(name: str, section: Dict[str, Any], where: str, known: FrozenSet[str]) -> str:
+    """What is wrong with an unknown field name, and how to fix it; "" when it looks like
+    no slip andpush knows."""
+    field = "message %s.%s" % (where, name) if where else "message %r" % name
+    if not where and name in _MULTICAST_FIELDS:
+        return (
+            "a v1 message has one target, not %r: to send it to many devices, leave %r "
+            "out and call client.push_multicast(message, tokens)" % (name, name)
+        )
+    if not where and name == "message" and isinstance(section[name], dict):
+        return (
+            "this is the body of a v1 request, {\"message\": {...}}: pass the message inside "
+            "it, as in client.push(body[\"message\"]) (and validate_only=True for its "
+            "\"validate_only\")"
+        )
+    if not where and name in _LEGACY_FIELDS:
+        return "%s is a field of the legacy API; in a v1 message %s" % (field, _LEGACY_FIELDS[name])
+    near = _nearest(name, known)
+    if near:
+        return "%s is not a field FCM knows: did you mean %r?" % (field, near)
+    places = [place + "." + name if place else name
+              for place, fields in _KNOWN_FIELDS.items() if name in fields]
+    if places:
+        return "%s is not a field FCM knows there: it goes in %s" % (
+            field, " or ".join(sorted(places)))
+    return ""
+
+
+def _nearest(name: str, known: FrozenSet[str]) -> str:
+    """The known field ``name`` was most likely meant as (another case, a typo), or ""."""
+    import difflib  # only a refused field needs it
+
+    folded = name.lower().replace("_", "")
+    same = [field for field in known if field.lower().replace("_", "") == folded]
+    if same:
+        return sorted(same)[0]
+    close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=_NEAR)
+    return close[0] if close else ""
 
 
 def _check_section(value: object, where: str) -> Dict[str, Any]:
@@ -4936,6 +5366,8 @@ def _check_texts(notification: Dict[str, Any], where: str) -> None:
 
 def _check_platform(platform: str, config: Dict[str, Any]) -> None:
     """The checks of one of android, apns or webpush."""
+    if not config.keys() <= _KNOWN_FIELDS[platform]:
+        _check_fields(config, platform)
     _check_fcm_options(config, platform + ".")
     if platform == "android":
         _check_android(config)
@@ -4955,9 +5387,24 @@ def _check_android(android: Dict[str, Any]) -> None:
     if ttl is not None:
         _check_ttl(ttl)
     notification = android.get("notification")
-    if notification is not None:
-        color = _check_section(notification, "android.notification").get("color")
-        _check_color(color, "android.notification.color")
+    if notification is None:
+        return
+    notification = _check_section(notification, "android.notification")
+    _check_nested(notification, "android.notification")
+    _check_color(notification.get("color"), "android.notification.color")
+    lights = _either(notification, "light_settings", "lightSettings")
+    if lights is not None:
+        where = "android.notification.light_settings"
+        lights = _check_section(lights, where)
+        _check_nested(lights, where)
+        color = lights.get("color")
+        if color is not None:
+            _check_nested(_check_section(color, where + ".color"), where + ".color")
+
+
+def _check_nested(section: Dict[str, Any], where: str) -> None:
+    if not section.keys() <= _KNOWN_FIELDS[where]:
+        _check_fields(section, where)
 
 
 def _check_color(color: object, where: str) -> None:
@@ -4990,6 +5437,7 @@ def _check_fcm_options(section: Dict[str, Any], where: str) -> None:
     if options is None:
         return
     options = _check_section(options, where + "fcm_options")
+    _check_nested(options, where + "fcm_options")
     label = _either(options, "analytics_label", "analyticsLabel")
     if label is not None and not (isinstance(label, str) and re.match(_ANALYTICS_LABEL, label)):
         raise ValueError(
@@ -5030,14 +5478,28 @@ def _shown(value: object) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _check_topic(topic: str) -> None:
-    if topic.startswith("/topics/"):
-        raise ValueError("topic names go without the /topics/ prefix: use %r" % topic[8:])
-    if not re.match(_TOPIC_NAME, topic):
+def _topic_name(topic: object, what: str) -> str:
+    """A topic name as FCM takes it: a /topics/ prefix (the legacy API's) is dropped, as
+    firebase-admin drops it; TypeError/ValueError for what is no topic name."""
+    if not isinstance(topic, str):
+        raise TypeError("%s must be a str, got %s" % (what, type(topic).__name__))
+    name = topic[len(_TOPIC_PREFIX):] if topic.startswith(_TOPIC_PREFIX) else topic
+    if not re.match(_TOPIC_NAME, name):
         raise ValueError(
-            "topic %r is not a valid topic name: use 1 to 900 of a-z A-Z 0-9 - _ . ~ %%"
-            % topic[:40]
+            "%s %r is not a valid topic name: use 1 to 900 of a-z A-Z 0-9 - _ . ~ %%"
+            % (what, name[:40])
         )
+    return name
+
+
+def _check_device_token(token: object) -> str:
+    """A device token as push, push_multicast and subscribe all take it: a str (TypeError
+    otherwise) that is not empty (ValueError); what it holds is never shown."""
+    if not isinstance(token, str):
+        raise TypeError("a device token must be a str, got %s" % type(token).__name__)
+    if not token:
+        raise ValueError("a device token is empty: leave it out, or pass the app's token")
+    return token
 
 
 def _check_data(data: object, where: str) -> None:
@@ -5094,6 +5556,26 @@ def _data_size(data: Dict[Any, Any]) -> int:
 def _check_legacy_message(message: object) -> Dict[str, Any]:
     """Check a legacy message the way _check_message does, for the fields the two share."""
     message = _check_dict(message)
+    targets = [name for name in _LEGACY_TARGETS if name in message]
+    if len(targets) != 1:
+        if not targets and any(name in message for name in _TARGETS):
+            raise ValueError(
+                "this is a v1 message (its target is %r); the legacy API's target is 'to' (a "
+                "token, or /topics/name), 'registration_ids' or 'condition'. For the v1 API "
+                "make the client with credentials=" % next(n for n in _TARGETS if n in message)
+            )
+        raise ValueError("a legacy message needs exactly one target of to, registration_ids "
+                         "or condition; got %s" % (", ".join(targets) or "none"))
+    target = message[targets[0]]
+    if targets[0] == "registration_ids":
+        if not isinstance(target, list) or not target:
+            raise TypeError("message registration_ids must be a non-empty list of tokens")
+        for token in target:
+            _check_device_token(token)
+    elif targets[0] == "to" and not (isinstance(target, str) and target.startswith(_TOPIC_PREFIX)):
+        _check_device_token(target)  # a device's token, or a device group's key
+    elif not isinstance(target, str) or not target:
+        raise ValueError("message %r must be a non-empty str" % targets[0])
     _check_priority(message.get("priority"), "priority")
     ttl = message.get("time_to_live")
     if ttl is not None and (
@@ -5259,6 +5741,9 @@ class _V1API:
 #: Messages in flight at once in push_many, by default.
 DEFAULT_CONCURRENCY = 50
 
+Item = TypeVar("Item")  # what the pairs of Outcomes hold with each outcome: a message, a token
+_M = TypeVar("_M", bound=Union[Message, LegacyMessage])  # the messages of a push_many
+
 
 class _Requests:
     """What both clients share: the API, the route to FCM, and how each request is made
@@ -5287,7 +5772,16 @@ class _Requests:
             exchange.timeout = float(timeout)
         return exchange
 
-    def to_each(self, message: Dict[str, Any], tokens: object,
+    def for_each(self, messages: object, concurrency: int) -> Callable[[Any], _Exchange]:
+        """How push_many makes the push of one message (the arguments checked first)."""
+        if isinstance(messages, dict):
+            raise TypeError("push_many takes many messages, not one dict: push(message) sends "
+                            "one, push_many([message]) a list of one")
+        _check_number("concurrency", concurrency, minimum=1, integer=True)
+        exchange = self.exchange
+        return lambda message: exchange(message, False)
+
+    def to_each(self, message: Mapping[str, Any], tokens: object,
                 concurrency: int) -> Callable[[Any], _Exchange]:
         """How push_multicast makes the push to one token (the arguments checked first)."""
         message = _check_dict(message)
@@ -5303,24 +5797,16 @@ class _Requests:
         target = self.api.target
 
         def to(token: object) -> _Exchange:
-            if not isinstance(token, str) or not token:
-                raise TypeError("every token must be a non-empty str, got %s"
-                                % type(token).__name__)
-            return self.exchange(dict(message, **{target: token}), False)
+            return self.exchange(dict(message, **{target: _check_device_token(token)}), False)
         return to
 
     def topic_changes(self, method: str, tokens: Iterable[str],
                       topic: str) -> Tuple[List[str], Callable[[str], _Exchange]]:
         """The tokens (checked) and how to make the request that changes one's topics."""
-        if not isinstance(topic, str):
-            raise TypeError("topic must be a str, got %s" % type(topic).__name__)
-        _check_topic(topic)
+        topic = _topic_name(topic, "topic")
         if isinstance(tokens, str):
             raise TypeError("tokens must be a list of str, not one str")
-        tokens = list(tokens)
-        for token in tokens:
-            if not isinstance(token, str) or not token:
-                raise ValueError("every token must be a non-empty str")
+        tokens = [_check_device_token(token) for token in tokens]
         base = self.api.project_path() + "/registrations/"
         quoted_topic = urllib.parse.quote(topic, safe="")
 
@@ -5348,7 +5834,7 @@ class Client:
         self._requests = _Requests(api, route, retry)
         self._driver = driver
 
-    def push(self, message: Dict[str, Any], *, validate_only: bool = False,
+    def push(self, message: Union[Message, LegacyMessage], *, validate_only: bool = False,
              timeout: Optional[float] = None) -> Response:
         """Send one message; return the 2xx Response or raise an andpush.Error.
 
@@ -5362,13 +5848,31 @@ class Client:
             return outcome
         raise outcome
 
+    # The overloads give the pairs the type of the messages (a list of Message gives
+    # Outcomes[Message]); the second and third give a literal in the call its type (mypy
+    # takes no context from a TypeVar), which mypy thinks they never do.
+    @overload
+    def push_many(self, messages: Iterable[_M], *, concurrency: int = ...,
+                  progress: Optional[Callable[[int, int], None]] = ...) -> "Outcomes[_M]": ...
+
+    @overload
+    def push_many(  # type: ignore[overload-overlap, overload-cannot-match]
+            self, messages: Iterable[Message], *, concurrency: int = ...,
+            progress: Optional[Callable[[int, int], None]] = ...) -> "Outcomes[Message]": ...
+
+    @overload
+    def push_many(  # type: ignore[overload-cannot-match]
+            self, messages: Iterable[LegacyMessage], *, concurrency: int = ...,
+            progress: Optional[Callable[[int, int], None]] = ...,
+    ) -> "Outcomes[LegacyMessage]": ...
+
     def push_many(
         self,
-        messages: Iterable[Dict[str, Any]],
+        messages: Iterable[Any],
         *,
         concurrency: int = DEFAULT_CONCURRENCY,
         progress: Optional[Callable[[int, int], None]] = None,
-    ) -> Iterator[Tuple[Any, Outcome]]:
+    ) -> "Outcomes[Any]":
         """Send many messages at once; yield a ``(message, outcome)`` pair per message, in
         input order: ``message`` is the very object taken from ``messages``.
 
@@ -5377,33 +5881,34 @@ class Client:
         ``messages`` is read lazily, on a thread of its own, so the pairs always cover the
         messages read so far, a prefix of the input.
 
-        Stopping early keeps the record of what was sent. ``close()`` on the iterator
+        Stopping early keeps the record of what was sent. ``close()`` on the Outcomes
         stops reading and returns the pairs not yet yielded, after every message already
         read has been sent and answered (each within the request timeout); ``stop()``
         stops reading and lets the iteration go on to the last of them. After an
-        exception in the caller's for loop (Ctrl-C too), either still gives the rest. Dropping the
-        iterator stops reading and starts nothing more, without waiting.
+        exception in the caller's for loop (Ctrl-C too), either still gives the rest.
+        Dropping the Outcomes stops reading and starts nothing more, without waiting; its
+        ``success_count`` and ``failure_count`` count the pairs given so far.
 
         Over HTTP/2 the messages share the client's connections, up to each server's
         stream limit. ``progress(done, failed)`` is called from the thread running
         andpush's I/O (its own, or one waiting in ``push()``).
         """
-        _check_number("concurrency", concurrency, minimum=1, integer=True)
-        make = self._requests.exchange
-        return self._batch(messages, lambda m: make(m, False), concurrency, progress)
+        make = self._requests.for_each(messages, concurrency)
+        return self._batch(messages, make, concurrency, progress)
 
     def push_multicast(
         self,
-        message: Dict[str, Any],
+        message: Union[Message, LegacyMessage],
         tokens: Iterable[str],
         *,
         concurrency: int = DEFAULT_CONCURRENCY,
         progress: Optional[Callable[[int, int], None]] = None,
-    ) -> Iterator[Tuple[str, Outcome]]:
+    ) -> "Outcomes[str]":
         """Send ``message`` (without a target) to each of ``tokens``, one request each
         through push_many: firebase-admin's ``send_each_for_multicast``. Yields a
         ``(token, outcome)`` pair per token, in order, with push_many's ``close()`` and
-        ``stop()``; a token that is not a non-empty str gets a TypeError, not sent.
+        ``stop()``; a token that is not a str, or is empty, gets push()'s TypeError or
+        ValueError, not sent.
         """
         make = self._requests.to_each(message, tokens, concurrency)
         return self._batch(tokens, make, concurrency, progress)
@@ -5441,11 +5946,11 @@ class Client:
         make: Callable[[Any], _Exchange],
         concurrency: int,
         progress: Optional[Callable[[int, int], None]],
-    ) -> "_Outcomes":
+    ) -> "Outcomes[Any]":
         batch = _ThreadBatch(items, make, self._requests.route, concurrency, progress)
         self._driver.add_batch(batch)
         threading.Thread(target=batch.feed, name="andpush-push_many", daemon=True).start()
-        return _Outcomes(batch)
+        return Outcomes(batch)
 
 
 def _already_subscribed(outcome: Outcome) -> Outcome:
@@ -5456,21 +5961,41 @@ def _already_subscribed(outcome: Outcome) -> Outcome:
     return outcome
 
 
-class _Outcomes(Iterator[Tuple[Any, Outcome]]):
-    """What push_many returns: a ``(message, outcome)`` pair per message, in input order,
-    as the engine ends them.
+class Outcomes(Generic[Item]):
+    """What push_many and push_multicast return: a ``(message, outcome)`` pair per message
+    (``(token, outcome)`` for push_multicast), in input order, as the engine ends them.
 
     ``close()`` stops reading the input and returns the pairs not yet yielded, once every
     message already read has been sent and answered; ``stop()`` stops reading and lets the
-    iteration go on to the last of them. Dropping the iterator stops reading and sends
-    nothing more, without waiting: nobody is left to receive those outcomes.
+    iteration go on to the last of them. Dropping it stops reading and sends nothing more,
+    without waiting: nobody is left to receive those outcomes. ``success_count`` and
+    ``failure_count`` count the pairs given so far, by the loop and by ``close()``: once
+    both are done, every message's.
     """
+
+    __slots__ = ("_batch", "_counts")
 
     def __init__(self, batch: _ThreadBatch) -> None:
         self._batch = batch
+        self._counts = [0, 0]  # the successes and the failures among the pairs given
 
-    def __next__(self) -> Tuple[Any, Outcome]:
-        return self._batch.next_pair()
+    def __iter__(self) -> "Outcomes[Item]":
+        return self
+
+    def __next__(self) -> Tuple[Item, Outcome]:
+        pair = self._batch.next_pair()
+        self._counts[_is_failure(pair[1])] += 1
+        return pair
+
+    @property
+    def success_count(self) -> int:
+        """Pairs given whose outcome is a Response that refused no token."""
+        return self._counts[0]
+
+    @property
+    def failure_count(self) -> int:
+        """Pairs given whose outcome is an exception, or a legacy refusal of the token."""
+        return self._counts[1]
 
     @property
     def taken(self) -> int:
@@ -5481,14 +6006,21 @@ class _Outcomes(Iterator[Tuple[Any, Outcome]]):
         """Read no more messages; the iteration ends after the last one already read."""
         self._batch.stop()
 
-    def close(self) -> List[Tuple[Any, Outcome]]:
+    def close(self) -> List[Tuple[Item, Outcome]]:
         """Read no more messages, and return the pairs not yet yielded: those of every
         message already read, each sent and answered (within the request timeout)."""
         self._batch.stop()
-        return self._batch.rest()
+        return _counted(self._batch.rest(), self._counts)
 
     def __del__(self) -> None:
         self._batch.discard()
+
+
+def _counted(pairs: List[Tuple[Any, Outcome]], counts: List[int]) -> List[Tuple[Any, Outcome]]:
+    """``pairs``, counted into an Outcomes' ``counts`` (successes, failures)."""
+    for _, outcome in pairs:
+        counts[_is_failure(outcome)] += 1
+    return pairs
 
 
 class AsyncClient:
@@ -5507,7 +6039,7 @@ class AsyncClient:
         self._driver = driver
         self._project_lock: Optional["asyncio.Lock"] = None
 
-    async def push(self, message: Dict[str, Any], *, validate_only: bool = False,
+    async def push(self, message: Union[Message, LegacyMessage], *, validate_only: bool = False,
                    timeout: Optional[float] = None) -> Response:
         """Send one message; return the 2xx Response or raise an andpush.Error, as
         ``Client.push``. Cancelled before it was sent, nothing is sent; after, its
@@ -5520,13 +6052,31 @@ class AsyncClient:
             return outcome
         raise outcome
 
+    # The overloads of Client.push_many, for the same reasons.
+    @overload
+    def push_many(
+            self, messages: Union[Iterable[_M], AsyncIterable[_M]], *, concurrency: int = ...,
+            progress: Optional[Callable[[int, int], None]] = ...) -> "AsyncOutcomes[_M]": ...
+
+    @overload
+    def push_many(  # type: ignore[overload-overlap, overload-cannot-match]
+            self, messages: Union[Iterable[Message], AsyncIterable[Message]], *,
+            concurrency: int = ..., progress: Optional[Callable[[int, int], None]] = ...,
+    ) -> "AsyncOutcomes[Message]": ...
+
+    @overload
+    def push_many(  # type: ignore[overload-cannot-match]
+            self, messages: Union[Iterable[LegacyMessage], AsyncIterable[LegacyMessage]], *,
+            concurrency: int = ..., progress: Optional[Callable[[int, int], None]] = ...,
+    ) -> "AsyncOutcomes[LegacyMessage]": ...
+
     def push_many(
         self,
-        messages: Union[Iterable[Dict[str, Any]], AsyncIterable[Dict[str, Any]]],
+        messages: Union[Iterable[Any], AsyncIterable[Any]],
         *,
         concurrency: int = DEFAULT_CONCURRENCY,
         progress: Optional[Callable[[int, int], None]] = None,
-    ) -> AsyncIterator[Tuple[Any, Outcome]]:
+    ) -> "AsyncOutcomes[Any]":
         """Send many messages at once; an async iterator of ``(message, outcome)`` pairs,
         one per message in input order, as ``Client.push_many``.
 
@@ -5536,18 +6086,17 @@ class AsyncClient:
         reading and lets the iteration go on to the last of them. Cancelling the task
         that iterates, or dropping the iterator, stops reading and sends nothing more.
         """
-        _check_number("concurrency", concurrency, minimum=1, integer=True)
-        make = self._requests.exchange
-        return self._batch(messages, lambda m: make(m, False), concurrency, progress)
+        make = self._requests.for_each(messages, concurrency)
+        return self._batch(messages, make, concurrency, progress)
 
     def push_multicast(
         self,
-        message: Dict[str, Any],
+        message: Union[Message, LegacyMessage],
         tokens: Union[Iterable[str], AsyncIterable[str]],
         *,
         concurrency: int = DEFAULT_CONCURRENCY,
         progress: Optional[Callable[[int, int], None]] = None,
-    ) -> AsyncIterator[Tuple[str, Outcome]]:
+    ) -> "AsyncOutcomes[str]":
         """Send ``message`` to each of ``tokens``, as ``Client.push_multicast``: an async
         iterator of ``(token, outcome)`` pairs with push_many's ``aclose()`` and ``stop()``."""
         make = self._requests.to_each(message, tokens, concurrency)
@@ -5609,17 +6158,18 @@ class AsyncClient:
         make: Callable[[Any], _Exchange],
         concurrency: int,
         progress: Optional[Callable[[int, int], None]],
-    ) -> "_AsyncOutcomes":
+    ) -> "AsyncOutcomes[Any]":
         event_loop = self._driver.bind()
         batch = _AsyncBatch(items, make, self._requests.route, concurrency, progress,
                             self._find_project)
         self._driver.add_batch(batch)
         batch.start(event_loop)
-        return _AsyncOutcomes(batch)
+        return AsyncOutcomes(batch)
 
 
-class _AsyncOutcomes(AsyncIterator[Tuple[Any, Outcome]]):
-    """What AsyncClient.push_many returns: ``(message, outcome)`` pairs in input order.
+class AsyncOutcomes(Generic[Item]):
+    """What AsyncClient.push_many and push_multicast return: ``(message, outcome)`` pairs in
+    input order, with the counts of Outcomes.
 
     ``await aclose()`` stops reading the input and returns the pairs not yet yielded,
     once every message already read has been answered; ``stop()`` stops reading and lets
@@ -5627,11 +6177,29 @@ class _AsyncOutcomes(AsyncIterator[Tuple[Any, Outcome]]):
     iterator, stops reading and sends nothing more.
     """
 
+    __slots__ = ("_batch", "_counts")
+
     def __init__(self, batch: _AsyncBatch) -> None:
         self._batch = batch
+        self._counts = [0, 0]  # the successes and the failures among the pairs given
 
-    async def __anext__(self) -> Tuple[Any, Outcome]:
-        return await self._batch.next_pair()
+    def __aiter__(self) -> "AsyncOutcomes[Item]":
+        return self
+
+    async def __anext__(self) -> Tuple[Item, Outcome]:
+        pair = await self._batch.next_pair()
+        self._counts[_is_failure(pair[1])] += 1
+        return pair
+
+    @property
+    def success_count(self) -> int:
+        """Pairs given whose outcome is a Response that refused no token."""
+        return self._counts[0]
+
+    @property
+    def failure_count(self) -> int:
+        """Pairs given whose outcome is an exception, or a legacy refusal of the token."""
+        return self._counts[1]
 
     @property
     def taken(self) -> int:
@@ -5642,11 +6210,11 @@ class _AsyncOutcomes(AsyncIterator[Tuple[Any, Outcome]]):
         """Read no more messages; the iteration ends after the last one already read."""
         self._batch.stop()
 
-    async def aclose(self) -> List[Tuple[Any, Outcome]]:
+    async def aclose(self) -> List[Tuple[Item, Outcome]]:
         """Read no more messages, and return the pairs not yet yielded: those of every
         message already read, each sent and answered (within the request timeout)."""
         self._batch.stop()
-        return await self._batch.rest()
+        return _counted(await self._batch.rest(), self._counts)
 
     def __del__(self) -> None:
         self._batch.discard()
@@ -5819,7 +6387,8 @@ _EXIT_OK = 0             # everything was sent
 _EXIT_FAILED = 1         # FCM refused some messages (or topic changes): see what it said
 _EXIT_USAGE = 2          # a wrong option, file or message: fix the command
 _EXIT_TEMPFAIL = 75      # EX_TEMPFAIL: the network or FCM is down: try again later
-_EXIT_NOPERM = 77        # EX_NOPERM: no or refused credentials, no permission or project
+_EXIT_NOPERM = 77        # EX_NOPERM: no or refused credentials, no permission or project,
+#                          or a certificate that fails verification: fix the setup
 _EXIT_INTERRUPTED = 130  # Ctrl-C: 128 + SIGINT, as shells report it
 _EXIT_CLOSED_OUTPUT = 141  # stdout's reader went away (| head): 128 + SIGPIPE, as shells
 _EXIT_TERMINATED = 143   # SIGTERM (systemd, docker, Kubernetes stopping it): 128 + SIGTERM
@@ -5851,6 +6420,7 @@ examples:
   andpush send --token "$TOKEN" --title Hello --body "It works" --data order=42
   andpush send-many --tokens tokens.txt --title Update --body "Version 2 is out" \\
       --results results.jsonl --unregistered dead-tokens.txt
+  andpush send-many --messages messages.jsonl --results results.jsonl
 
 credentials: --credentials FILE (a service account key file), else Application Default
 Credentials (GOOGLE_APPLICATION_CREDENTIALS, `gcloud auth application-default login`,
@@ -5865,7 +6435,8 @@ exit status:
   1    FCM refused some messages or tokens (the others were sent)
   2    usage error: a wrong option, file or message; fix the command
   75   the network or FCM is down (after the retries): try again later
-  77   credentials missing or refused, no permission, or no such project: fix the setup
+  77   credentials missing or refused, no permission, no such project, or a server
+       certificate that fails verification (--cafile): fix the setup
   130  interrupted (Ctrl-C): every message sent is recorded, the rest was not sent
   141  the output was closed (as by `| head`); sending stopped there
   143  terminated (SIGTERM): as for 130
@@ -5915,16 +6486,23 @@ def _parser() -> "argparse.ArgumentParser":
                       help="ask FCM to check the message without delivering it (dry run)")
     send.set_defaults(run=_cmd_send)
 
-    many = command("send-many", "send one message to many device tokens", "Send the same "
-                   "message to every device token of a file, many at once. Progress and a "
+    many = command("send-many", "send one message to many device tokens, or many messages",
+                   "Send the same message to every device token of a file (--tokens), or "
+                   "every message of a file (--messages), many at once. Progress and a "
                    "summary go to stderr. Ctrl-C or SIGTERM stops cleanly: no more tokens are "
                    "taken, every message already sent is answered and recorded, the summary "
                    "says how many were sent, failed and not sent, and the exit status is 130 "
                    "(143 for SIGTERM). A second one ends at once, saying how many outcomes "
                    "are unknown.")
-    many.add_argument("--tokens", metavar="FILE", required=True,
-                      help="the device tokens, one a line (- reads stdin); blank lines and "
-                      "lines starting with # are skipped")
+    sources = many.add_argument_group("what to send (one of)").add_mutually_exclusive_group(
+        required=True)
+    sources.add_argument("--tokens", metavar="FILE",
+                         help="the device tokens, one a line (- reads stdin); blank lines and "
+                         "lines starting with # are skipped")
+    sources.add_argument("--messages", metavar="FILE",
+                         help="the messages, one JSON object a line (JSON Lines; - reads "
+                         "stdin), each with its own target and content; blank lines and "
+                         "lines starting with # are skipped")
     _add_content_options(many)
     many.add_argument("--concurrency", metavar="N", type=_positive_int,
                       default=DEFAULT_CONCURRENCY,
@@ -5932,8 +6510,9 @@ def _parser() -> "argparse.ArgumentParser":
     many.add_argument("--rate", metavar="N", type=_positive_float,
                       help="send at most N messages a second (default: no limit)")
     many.add_argument("--results", metavar="FILE",
-                      help="write one JSON object a line per token (- for stdout): token, ok, "
-                      "status, error (FCM's error code), message (its name or id), detail")
+                      help="write one JSON object a line per message (- for stdout): token, "
+                      "ok, status, error (FCM's error code), message (its name or id), "
+                      "detail, canonical_token (legacy: the token to store instead)")
     many.add_argument("--unregistered", metavar="FILE",
                       help="write the tokens FCM no longer knows, one a line, to delete them")
     many.add_argument("-q", "--quiet", action="store_true",
@@ -6159,13 +6738,16 @@ def _is_outage(error: object) -> bool:
 
 
 def _exit_status(error: Error) -> int:
-    if _is_refused_sender(error) or _is_missing_project(error):
+    if _is_refused_sender(error) or _is_missing_project(error) \
+            or isinstance(error, CertificateError):
         return _EXIT_NOPERM
     return _EXIT_TEMPFAIL if _is_outage(error) else _EXIT_FAILED
 
 
 def _explain(error: BaseException) -> str:
     """One line: what went wrong, what to do where that is clear, and the error itself."""
+    if isinstance(error, CertificateError):
+        return "TLS problem, fix the setup: %s" % error
     if isinstance(error, NetworkError):
         return "network problem, try again later: %s" % error
     if isinstance(error, ThirdPartyAuthError):
@@ -6259,6 +6841,10 @@ def _message(args: "argparse.Namespace") -> Dict[str, Any]:
     if notification:
         message["notification"] = dict(_object_field(message, "notification"), **notification)
     if args.data:
+        keys = [key for key, _ in args.data]
+        twice = next((key for key in keys if keys.count(key) > 1), None)
+        if twice is not None:
+            raise _Failure("--data gives %r more than once; give each key once" % twice)
         message["data"] = dict(_object_field(message, "data"), **dict(args.data))
     return message
 
@@ -6278,16 +6864,37 @@ def _read_message(path: str) -> Dict[str, Any]:
         else:
             with open(path, encoding="utf-8") as file:
                 text = file.read()
-        message = json.loads(text)
     except OSError as exc:
         raise _Failure("cannot read --message %r: %s" % (path, exc.strerror or exc)) from None
-    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError
+    except ValueError as exc:  # UnicodeDecodeError
         raise _Failure("--message %r is not JSON: %s" % (path, exc)) from None
+    return _message_from(text, "--message %r" % path)
+
+
+def _message_from(text: str, what: str) -> Dict[str, Any]:
+    """The message a JSON text holds: a message, or a whole v1 request body of one
+    ({"message": {...}}, as Google's examples show it), which the command line unwraps."""
+    try:
+        message = json.loads(text)
+    except ValueError as exc:  # JSONDecodeError: where, not what
+        raise _Failure("%s is not JSON: %s" % (what, exc)) from None
     if isinstance(message, dict) and list(message) == ["message"]:
-        message = message["message"]  # a whole v1 request body: {"message": {...}}
+        message = message["message"]
     if not isinstance(message, dict):
-        raise _Failure("--message %r must hold a JSON object" % path)
+        raise _Failure("%s must hold a JSON object" % what)
     return message
+
+
+def _messages_in(lines: Iterable[str], path: str) -> Iterator[Dict[str, Any]]:
+    """The messages of a JSON Lines file, lazily: blank lines and # comments skipped; a
+    line that is not a JSON object stops the run there (what was read is still sent)."""
+    try:
+        for number, line in enumerate(lines, 1):
+            text = line.strip()
+            if text and not text.startswith("#"):
+                yield _message_from(text, "line %d of --messages %r" % (number, path))
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        raise _Failure("cannot read --messages %r: %s" % (path, exc)) from None
 
 
 def _object_field(message: Dict[str, Any], name: str) -> Dict[str, Any]:
@@ -6353,17 +6960,10 @@ def _count_tokens(path: str) -> Optional[int]:
 def _answer(response: Response) -> Tuple[Optional[str], Optional[str]]:
     """A 2xx answer's message name (v1) or id (legacy), and the legacy error if it has one."""
     try:
-        answer, errors = response.json(), response.errors
+        errors = response.errors
     except ValueError:  # not JSON
         return None, None
-    refused = next(iter(errors.values()), None)
-    if not isinstance(answer, dict):
-        return None, refused
-    name = answer.get("name")  # v1: {"name": "projects/p/messages/1"}
-    results = answer.get("results")  # legacy: {"results": [{"message_id": "0:1..."}]}
-    if name is None and isinstance(results, list) and results and isinstance(results[0], dict):
-        name = results[0].get("message_id")
-    return (None if name is None else str(name)), refused
+    return response.message_id, next(iter(errors.values()), None)
 
 
 def _failure_code(error: BaseException) -> str:
@@ -6377,15 +6977,19 @@ def _failure_code(error: BaseException) -> str:
     return "INVALID_MESSAGE"  # TypeError/ValueError: refused before it was sent
 
 
-def _record(token: str, outcome: Outcome) -> Dict[str, Any]:
-    """One line of --results: what became of the message to ``token``."""
+def _record(token: Optional[str], outcome: Outcome) -> Dict[str, Any]:
+    """One line of --results: what became of the message to ``token`` (None: a message to
+    a topic or condition)."""
     record: Dict[str, Any] = {
         "token": token, "ok": False, "status": None, "error": None, "message": None,
-        "detail": None,
+        "detail": None, "canonical_token": None,
     }
     if isinstance(outcome, Response):
         record["message"], refused = _answer(outcome)
         record.update(ok=refused is None, status=outcome.status_code, error=refused)
+        if token is not None:
+            with contextlib.suppress(ValueError):  # not JSON
+                record["canonical_token"] = outcome.canonical_tokens.get(token)
     else:
         record.update(error=_failure_code(outcome), detail=str(outcome))
         if isinstance(outcome, HTTPError):
@@ -6399,7 +7003,7 @@ def _cmd_send(args: "argparse.Namespace") -> int:
     content = _message(args)
     _check_content(content, args)
     with _client(args) as client:
-        message = _with_target(content, args, _is_legacy(client))
+        message: Any = _with_target(content, args, _is_legacy(client))  # JSON, checked by push
         try:
             response = client.push(message, validate_only=args.validate_only)
         except (TypeError, ValueError) as exc:
@@ -6415,28 +7019,43 @@ def _cmd_send(args: "argparse.Namespace") -> int:
 
 
 def _cmd_send_many(args: "argparse.Namespace") -> int:
-    if args.tokens == "-" and args.message == "-":
-        raise _Failure("--tokens and --message cannot both read stdin")
-    template = _message(args)
-    if any(name in template for name in _TARGET_FIELDS):
-        raise _Failure("the --message file must have no target: the tokens come from --tokens")
-    _check_content(template, args)
+    source = args.messages or args.tokens
+    if source == "-" and args.message == "-":
+        raise _Failure("--%s and --message cannot both read stdin"
+                       % ("messages" if args.messages else "tokens"))
+    if args.messages:
+        given = [name for name in ("title", "body", "image", "data", "message", "allow_empty")
+                 if getattr(args, name)]
+        if given:
+            raise _Failure("--messages holds whole messages: give no --%s with it"
+                           % given[0].replace("_", "-"))
+        template = None
+    else:
+        template = _message(args)
+        if any(name in template for name in _TARGET_FIELDS):
+            raise _Failure("the --message file must have no target: the tokens come from "
+                           "--tokens")
+        _check_content(template, args)
     with contextlib.ExitStack() as stack:
-        lines = _open(args.tokens, "the tokens file", stack)
+        lines = _open(source, "--messages" if args.messages else "the tokens file", stack)
         results = _open(args.results, "--results", stack, write=True) if args.results else None
         dead = _open(args.unregistered, "--unregistered", stack, write=True) \
             if args.unregistered else None
         client = stack.enter_context(_client(args, rate_limit=args.rate))
         field = "to" if _is_legacy(client) else "token"
-        _check_ready(client, dict(template, **{field: "token"}))
-        progress = _Progress(sys.stderr, None if args.quiet else _count_tokens(args.tokens),
+        messages: Iterator[Any]  # JSON, checked by push_many
+        if template is None:
+            _check_ready(client)
+            messages = _messages_in(lines, source)
+        else:
+            _check_ready(client, dict(template, **{field: "token"}))
+            messages = (dict(template, **{field: token}) for token in _tokens_in(lines, source))
+        progress = _Progress(sys.stderr, None if args.quiet else _count_tokens(source),
                              args.quiet)
         tally = _Tally(results, dead)
-        messages = (dict(template, **{field: token})
-                    for token in _tokens_in(lines, args.tokens))
         outcomes = client.push_many(messages, concurrency=args.concurrency,
                                     progress=progress.update)
-        assert isinstance(outcomes, _Outcomes)
+        assert isinstance(outcomes, Outcomes)
         signals = _StopOnSignals(outcomes)
         unknown = 0
         try:
@@ -6444,14 +7063,15 @@ def _cmd_send_many(args: "argparse.Namespace") -> int:
                 failure = _record_all(outcomes, tally, field)
         except _SecondSignal as second:
             tally.stopped = _SIGNAL_WORDS[second.signum] + " again"
-            unknown = outcomes.taken - tally.sent - tally.failed
+            unknown = outcomes.taken - outcomes.success_count - outcomes.failure_count
             return _SIGNAL_STATUS[second.signum]
         finally:
-            progress.finish(tally.sent + tally.failed, tally.failed)
+            progress.finish(outcomes.success_count + tally.failed(outcomes),
+                            tally.failed(outcomes))
             if signals.received is not None and not tally.stopped:
                 tally.stopped = _SIGNAL_WORDS[signals.received]
-            tally.report(args.unregistered, unknown,
-                         _count_tokens(args.tokens) if tally.stopped else None)
+            tally.report(outcomes, args.unregistered, unknown,
+                         _count_tokens(source) if tally.stopped else None)
     if failure is not None:
         raise failure
     if signals.received is not None:
@@ -6459,23 +7079,23 @@ def _cmd_send_many(args: "argparse.Namespace") -> int:
     if tally.output_closed:
         _discard_stdout()
         return _EXIT_CLOSED_OUTPUT
-    return _EXIT_FAILED if tally.failed else _EXIT_OK
+    return _EXIT_FAILED if tally.failed(outcomes) else _EXIT_OK
 
 
-def _record_all(outcomes: _Outcomes, tally: "_Tally", field: str) -> Optional[Exception]:
+def _record_all(outcomes: "Outcomes[Any]", tally: "_Tally", field: str) -> Optional[Exception]:
     """Record every message's outcome. A failure that would fail all the rest, or an
     output that was closed, stops the taking of tokens; what was taken is still recorded.
     Returns the failure that stopped the run, if one did."""
     failure = None
     for message, outcome in outcomes:
-        tally.add(message[field], outcome)
-        if isinstance(outcome, Exception) and _stops_the_run(outcome, tally.sent):
+        tally.add(message.get(field), outcome)
+        if isinstance(outcome, Exception) and _stops_the_run(outcome, outcomes.success_count):
             failure = outcome
             break
         if tally.output_closed:
             break
     for message, outcome in outcomes.close():
-        tally.add(message[field], outcome)
+        tally.add(message.get(field), outcome)
     return failure
 
 
@@ -6486,7 +7106,8 @@ def _stops_the_run(outcome: Exception, sent: int) -> bool:
     down, and the run is better tried again later than spent on failures.
     """
     if isinstance(outcome, NetworkError):
-        return sent == 0 and not outcome.may_have_been_delivered
+        return isinstance(outcome, CertificateError) \
+            or sent == 0 and not outcome.may_have_been_delivered
     if _is_outage(outcome):
         return sent == 0
     return _is_systemic(outcome) or _is_missing_project(outcome)
@@ -6512,7 +7133,7 @@ class _StopOnSignals:
     recorded); a second one raises _SecondSignal. Signals ignored when the command started
     (nohup, a background job) stay ignored; off the main thread nothing is changed."""
 
-    def __init__(self, outcomes: _Outcomes) -> None:
+    def __init__(self, outcomes: "Outcomes[Any]") -> None:
         self._outcomes = outcomes
         self.received: Optional[int] = None  # the first signal's number
         self._previous: Dict[int, Any] = {}
@@ -6590,7 +7211,8 @@ def _cmd_check(args: "argparse.Namespace") -> int:
             api.headers()
             print("credentials   ok: got an access token")
             print("project       %s" % urllib.parse.unquote(api.project_path().split("/")[-1]))
-            message = {"token": args.token} if args.token else {"topic": _CHECK_TOPIC}
+            message: Union[Message, LegacyMessage] = (
+                {"token": args.token} if args.token else {"topic": _CHECK_TOPIC})
         else:
             print("credentials   a legacy server key")
             message = {"to": args.token or "/topics/" + _CHECK_TOPIC}
@@ -6710,40 +7332,40 @@ def _duration(seconds: float) -> str:
 
 
 class _Tally:
-    """What send-many has done: messages sent, failures by error code, dead tokens; each
-    outcome also written to the --results and --unregistered files, when given."""
+    """What send-many has recorded: failures by error code, dead tokens; each outcome also
+    written to the --results and --unregistered files, when given. The counts of sent and
+    failed messages are the Outcomes'."""
 
     def __init__(self, results: Optional[TextIO], unregistered: Optional[TextIO]) -> None:
-        self.sent = 0
         self.failures: Dict[str, int] = {}
         self.unregistered = 0
+        self.not_sent = 0  # messages taken and not sent, as the run stopped
         self.stopped: Optional[str] = None  # why the run stopped early, if it did
         self.output_closed = False  # a file's reader went away (a closed pipe)
         self._results = results
         self._unregistered_file = unregistered
         self._started = time.monotonic()
 
-    @property
-    def failed(self) -> int:
-        return sum(self.failures.values())
-
-    def add(self, token: str, outcome: Outcome) -> None:
-        """Count the outcome, then write it: a file whose reader went away (a closed pipe)
-        is written no more, and the summary still counts what was sent. A token the run
-        took and did not send, as it stopped, is neither: it counts as not sent."""
+    def add(self, token: Optional[str], outcome: Outcome) -> None:
+        """Count a failure by its code, then write the outcome: a file whose reader went
+        away (a closed pipe) is written no more, and the summary still counts it. A message
+        the run took and did not send, as it stopped, is neither: it counts as not sent."""
         if isinstance(outcome, _Stopped):
+            self.not_sent += 1
             return
         record = _record(token, outcome)
         code = record["error"]
-        if record["ok"]:
-            self.sent += 1
-        else:
+        if not record["ok"]:
             self.failures[code] = self.failures.get(code, 0) + 1
         if code in _UNREGISTERED_CODES:
             self.unregistered += 1
         self._results = self._write(self._results, json.dumps(record))
-        if code in _UNREGISTERED_CODES:
+        if code in _UNREGISTERED_CODES and token is not None:
             self._unregistered_file = self._write(self._unregistered_file, token)
+
+    def failed(self, outcomes: "Outcomes[Any]") -> int:
+        """The messages that failed: the Outcomes' failures but for those not sent."""
+        return outcomes.failure_count - self.not_sent
 
     def _write(self, file: Optional[TextIO], line: str) -> Optional[TextIO]:
         """Write a line to ``file``; the file, or None if its reader went away."""
@@ -6757,23 +7379,24 @@ class _Tally:
             return None
         return file
 
-    def report(self, unregistered_path: Optional[str], unknown: int,
+    def report(self, outcomes: "Outcomes[Any]", unregistered_path: Optional[str], unknown: int,
                total: Optional[int]) -> None:
-        """The summary, on stderr; for a run stopped early, what became of every token
+        """The summary, on stderr; for a run stopped early, what became of every message
         (``total``: how many the file holds, if known; ``unknown``: outcomes never seen)."""
-        _say(_summary(self.sent, self.failures, time.monotonic() - self._started))
+        sent, failed = outcomes.success_count, self.failed(outcomes)
+        _say(_summary(sent, self.failures, time.monotonic() - self._started))
         if unregistered_path:
             _say("%s unregistered tokens written to %s" % (
                 _number(self.unregistered), "stdout" if unregistered_path == "-"
                 else repr(unregistered_path)))
         if self.stopped:
-            taken = self.sent + self.failed + unknown
-            parts = ["%s sent" % _number(self.sent), "%s failed" % _number(self.failed)]
+            taken = sent + failed + unknown  # the not sent come after these
+            parts = ["%s sent" % _number(sent), "%s failed" % _number(failed)]
             if unknown:
                 parts.append("%s unknown (in flight: they may have been delivered)"
                              % _number(unknown))
             parts.append("%s not sent" % _number(max(0, total - taken)) if total is not None
-                         else "the tokens after the first %s not sent" % _number(taken))
+                         else "the messages after the first %s not sent" % _number(taken))
             _say("%s: %s" % (self.stopped, ", ".join(parts)))
 
 

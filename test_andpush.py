@@ -1358,6 +1358,38 @@ class ErrorCopyTest(unittest.TestCase):
         self.assertEqual(copied.errors, {"device-a": "NotRegistered"})
         self.assertEqual(copied.headers["X-Id"], "1")
 
+    def test_every_public_error_is_rebuilt_from_its_args(self) -> None:
+        # Celery's json result backend stores type(e).__name__, its module and e.args (as
+        # JSON), and re-creates the exception as cls(*args).
+        for error in every_public_error():
+            with self.subTest(type(error).__name__):
+                args = json.loads(json.dumps(error.args))
+                rebuilt = type(error)(*args)
+                self.assertIs(type(rebuilt), type(error))
+                self.assertEqual(str(rebuilt), str(error))
+                self.assertEqual(rebuilt.args, error.args)
+                for name in ("status_code", "error_code", "retry_after",
+                             "may_have_been_delivered"):
+                    self.assertEqual(getattr(rebuilt, name, None), getattr(error, name, None))
+                if isinstance(error, andpush.HTTPError):
+                    assert isinstance(rebuilt, andpush.HTTPError)
+                    self.assertEqual((rebuilt.response.status_code, rebuilt.response.body),
+                                     (error.status_code, b""))
+                copied = pickle.loads(pickle.dumps(rebuilt))
+                self.assertEqual((type(copied), copied.args), (type(error), error.args))
+
+    def test_the_paused_quota_error_is_rebuilt_with_what_is_left_to_wait(self) -> None:
+        cause = response(429, fcm_error(429, "QUOTA_EXCEEDED").json)
+        error = andpush._paused(cause, 12.5)
+        rebuilt = type(error)(*json.loads(json.dumps(error.args)))
+        self.assertEqual((str(rebuilt), rebuilt.retry_after), (str(error), 12.5))
+        self.assertIn("waits 12.5 s more", str(rebuilt))
+
+    def test_an_http_error_is_still_made_from_a_response_only(self) -> None:
+        with self.assertRaisesRegex(TypeError, "from a Response, or from a message and the "
+                                    "status code"):
+            andpush.HTTPError("no status")
+
     def test_an_error_raised_in_a_process_pool_worker_reaches_the_caller(self) -> None:
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("fork" if "fork" in methods else None)
@@ -3497,13 +3529,16 @@ class H2ConnectionTest(H2TestCase):
         for key, deadline in [("a", 10.0), ("b", 20.0), ("c", 30.0)]:
             self.start(conn, key, deadline=deadline)
         self.sent(conn)
-        conn.expire(9.9)
+
+        def no_answer(key: object, sent: bool) -> Exception:
+            self.assertTrue(sent)
+            return andpush.NetworkError("no answer for %s" % key, may_have_been_delivered=True)
+        conn.expire(9.9, no_answer)
         self.assertEqual(conn.finished, [])
-        conn.expire(20.0)
+        conn.expire(20.0, no_answer)
         self.assertEqual([key for key, _ in conn.finished], ["a", "b"])
-        for _, outcome in conn.finished:
-            self.assertIsInstance(outcome, andpush.NetworkError)
-            self.assertTrue(outcome.may_have_been_delivered)
+        for key, outcome in conn.finished:
+            self.assertEqual(str(outcome), "no answer for %s" % key)
         self.assertEqual(self.sent(conn), [(H2_RST_STREAM, 0, stream_id, struct.pack(
             ">I", H2_CANCEL)) for stream_id in (1, 3)])
         self.assertEqual((list(conn.streams), conn.next_deadline()), ([5], 30.0))
@@ -4093,8 +4128,8 @@ class MessageValidationTest(unittest.TestCase):
             ("text", TypeError, "must be a dict"),
             ({"notification": {}}, ValueError, "exactly one target.*none"),
             ({"token": "a", "topic": "b"}, ValueError, "exactly one target.*token, topic"),
-            ({"token": ""}, ValueError, "non-empty"),
-            ({"topic": "/topics/news"}, ValueError, "without the /topics/ prefix"),
+            ({"token": ""}, ValueError, "a device token is empty"),
+            ({"topic": "/topics/bad topic"}, ValueError, "'bad topic' is not a valid topic"),
             ({"topic": "bad topic!"}, ValueError, "not a valid topic"),
             ({"token": "a", "data": {"n": 1}}, TypeError, r"data\['n'\] must be a str"),
             ({"token": "a", "data": {"from": "x"}}, ValueError, "reserved"),
@@ -4218,6 +4253,331 @@ class MessageValidationTest(unittest.TestCase):
         for message in ({"topic": "news-1_a.b~c%d"}, {"condition": "'a' in topics"},
                         {"fid": "f"}, {"token": "t", "data": {"k": "v"}}):
             api.prepare(message, False)
+
+
+def camel_case(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(word.capitalize() for word in rest)
+
+
+def snake_case(name: str) -> str:
+    return re.sub(r"[A-Z]", lambda upper: "_" + upper.group().lower(), name)
+
+
+def every_field(snake: bool) -> Dict[str, Any]:
+    """A v1 message that sets every field andpush knows, with values FCM takes, under the
+    snake_case names (or, with ``snake`` False, the lowerCamelCase ones)."""
+    def named(section: Dict[str, Any]) -> Dict[str, Any]:
+        return {(key if snake else camel_case(key)): value for key, value in section.items()}
+    color = {"red": 0.1, "green": 0.2, "blue": 0.3, "alpha": 1.0}
+    lights = named({"color": color, "light_on_duration": "0.5s", "light_off_duration": "1s"})
+    android_notification = named({
+        "title": "T", "body": "B", "icon": "ic", "color": "#ff8800", "sound": "default",
+        "tag": "t", "image": "https://x/i.png", "click_action": "OPEN", "body_loc_key": "k",
+        "body_loc_args": ["a"], "title_loc_key": "k", "title_loc_args": ["a"],
+        "channel_id": "c", "ticker": "t", "sticky": True, "event_time": "2024-01-01T00:00:00Z",
+        "local_only": True, "notification_priority": "PRIORITY_HIGH", "default_sound": True,
+        "default_vibrate_timings": True, "default_light_settings": True,
+        "vibrate_timings": ["0.5s"], "visibility": "PUBLIC", "notification_count": 3,
+        "light_settings": lights, "bypass_proxy_notification": True, "proxy": "ALLOW",
+    })
+    android = named({
+        "collapse_key": "c", "priority": "high", "ttl": "60s",
+        "restricted_package_name": "com.example", "data": {"titel": "free-form"},
+        "notification": android_notification, "fcm_options": named({"analytics_label": "a"}),
+        "direct_boot_ok": True, "bandwidth_constrained_ok": True,
+        "restricted_satellite_ok": True,
+    })
+    apns = named({
+        "headers": {"apns-priority": "10", "apns-push-type": "alert"},
+        "payload": {"aps": {"alert": {"title": "T"}, "badge": 1}, "anything": [1, {"x": 2}]},
+        "fcm_options": named({"analytics_label": "a", "image": "https://x/i.png"}),
+        "live_activity_token": "lat",
+    })
+    webpush = named({
+        "headers": {"Urgency": "high", "TTL": "60"}, "data": {"notificaton": "free-form"},
+        "notification": {"title": "T", "requireInteraction": True, "actions": [{"action": "a"}]},
+        "fcm_options": named({"link": "https://example.com", "analytics_label": "a"}),
+    })
+    return named({
+        "token": TOKEN, "data": {"andriod": "keys here are free-form"},
+        "notification": {"title": "T", "body": "B", "image": "https://x/i.png"},
+        "android": android, "apns": apns, "webpush": webpush,
+        "fcm_options": named({"analytics_label": "a"}),
+        "android_v2": {"remote_notification": {"anything": "FCM's preview, passed on"}},
+    })
+
+
+class MessageFieldsTest(unittest.TestCase):
+    """A field FCM does not know is refused before sending when it is a slip (a typo, the
+    request body around the message, a legacy field, a field of another place), with what
+    to write instead; what FCM takes, in either spelling, goes out as it is."""
+
+    def setUp(self) -> None:
+        self.api = andpush._V1API(andpush._StaticToken("t", "p"), "p", andpush._Clock())
+
+    def test_slips_are_refused_with_the_field_meant(self) -> None:
+        table: List[Tuple[Dict[str, Any], str]] = [
+            ({"notificaton": {"title": "Hi"}},
+             "message 'notificaton' is not a field FCM knows: did you mean 'notification'?"),
+            ({"Notification": {}}, "did you mean 'notification'"),
+            ({"andriod": {}}, "did you mean 'android'"),
+            ({"fcm_option": {}}, "did you mean 'fcm_options'"),
+            ({"notification": {"titel": "x"}},
+             "message notification.titel is not a field FCM knows: did you mean 'title'?"),
+            ({"android": {"priorty": "high"}}, "android.priorty .* did you mean 'priority'"),
+            ({"android": {"notification": {"chanel_id": "c"}}},
+             "android.notification.chanel_id .* did you mean 'channel_id'"),
+            ({"android": {"notification": {"ChannelId": "c"}}}, "did you mean 'channelId'"),
+            ({"android": {"notification": {"light_settings": {"colour": {}}}}},
+             r"android.notification.light_settings.colour .* did you mean 'color'"),
+            ({"android": {"notification": {"light_settings": {"color": {"reed": 1}}}}},
+             r"light_settings.color.reed .* did you mean 'red'"),
+            ({"apns": {"header": {}}}, "apns.header .* did you mean 'headers'"),
+            ({"webpush": {"fcm_options": {"links": "https://x"}}},
+             "webpush.fcm_options.links .* did you mean 'link'"),
+            ({"fcmOptions": {"analyticLabel": "a"}}, "did you mean 'analyticsLabel'"),
+            ({"title": "Hi"}, "message 'title' is not a field FCM knows there: it goes in "
+             "android.notification.title or notification.title"),
+            ({"notification": {"sound": "default"}},
+             "message notification.sound .* it goes in android.notification.sound"),
+            ({"notification": {"click_action": "OPEN"}}, "android.notification.click_action"),
+            ({"android": {"sound": "default"}}, "it goes in android.notification.sound"),
+            ({"android": {"headers": {}}}, "it goes in apns.headers or webpush.headers"),
+            ({"priority": "high"}, "message 'priority' is a field of the legacy API; in a v1 "
+             "message it is android.priority, and apns.headers 'apns-priority'"),
+            ({"time_to_live": 60}, r"android.ttl \(a string, such as \"3600s\"\)"),
+            ({"collapse_key": "c"}, "android.collapse_key"),
+            ({"content_available": True}, "content-available"),
+            ({"mutable_content": True}, "mutable-content"),
+            ({"dry_run": True}, "pass validate_only=True to push"),
+            ({"restricted_package_name": "x"}, "android.restricted_package_name"),
+        ]
+        for fields, pattern in table:
+            with self.subTest(fields=str(fields)[:60]):
+                with self.assertRaisesRegex(ValueError, pattern) as caught:
+                    self.api.prepare(dict(fields, token=TOKEN), False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+
+    def test_the_request_body_and_the_legacy_shape_say_what_to_pass(self) -> None:
+        table: List[Tuple[Dict[str, Any], str]] = [
+            ({"message": {"token": TOKEN}},
+             r'the body of a v1 request, \{"message": \{...\}\}: pass the message inside it, '
+             r'as in client.push\(body\["message"\]\)'),
+            ({"message": {"token": TOKEN}, "validate_only": True}, "validate_only=True"),
+            ({"to": TOKEN, "notification": {"title": "Hi"}},
+             "message 'to' is a field of the legacy API; in a v1 message the target is "
+             "'token' .a device., 'topic' .a name, without /topics/. or 'condition'"),
+            ({"registration_ids": [TOKEN]}, r"call client.push_multicast\(message, tokens\)"),
+        ]
+        for message, pattern in table:
+            with self.subTest(message=str(message)[:60]):
+                with self.assertRaisesRegex(ValueError, pattern) as caught:
+                    self.api.prepare(message, False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+
+    def test_every_field_fcm_knows_goes_out_under_either_name(self) -> None:
+        for snake in (True, False):
+            with self.subTest("snake_case" if snake else "lowerCamelCase"):
+                message = every_field(snake)
+                path, body, _ = self.api.prepare(message, False)
+                self.assertEqual(json.loads(body)["message"], message)
+
+    def test_every_known_field_has_both_names_and_is_tried_above(self) -> None:
+        def walk(value: Any, where: str) -> Set[Tuple[str, str]]:
+            tried = set()
+            if where in andpush._KNOWN_FIELDS and isinstance(value, dict):
+                for key, item in value.items():
+                    tried.add((where, key))
+                    tried |= walk(item, (where + "." if where else "") + snake_case(key))
+            return tried
+
+        known = {(where, name) for where, names in andpush._KNOWN_FIELDS.items()
+                 for name in names}
+        for where, name in known:
+            with self.subTest(where=where, name=name):
+                self.assertIn(camel_case(name) if "_" in name else snake_case(name),
+                              andpush._KNOWN_FIELDS[where])
+        tried = walk(every_field(True), "") | walk(every_field(False), "")
+        self.assertEqual(tried - known, set())
+        self.assertEqual(known - tried, {("", name) for name in ("name", "topic", "condition",
+                                                                 "fid")})
+
+    def test_maps_are_free_form_and_an_unlike_name_is_left_to_fcm(self) -> None:
+        for fields in [
+            {"data": {"notificaton": "a key like a field", "title": "x"}},
+            {"apns": {"headers": {"titel": "x"}, "payload": {"notificaton": {"a": 1}}}},
+            {"webpush": {"notification": {"silent": True, "badge": "/b.png"}}},
+            {"a_field_fcm_may_add_one_day": {"x": 1}},
+            {"android": {"bandwidth_constrained_ok": True, "zz_future": 1}},
+            {"name": "projects/p/messages/1"},
+        ]:
+            with self.subTest(fields=str(fields)[:60]):
+                path, body, _ = self.api.prepare(dict(fields, token=TOKEN), False)
+                self.assertEqual(json.loads(body)["message"], dict(fields, token=TOKEN))
+
+    def test_a_typical_message_is_checked_without_looking_for_slips(self) -> None:
+        with unittest.mock.patch.object(andpush, "_check_fields") as slips:
+            self.api.prepare(dict(V1_MESSAGE, data={"k": "v"}), False)
+        slips.assert_not_called()
+
+    def test_a_legacy_client_checks_the_target(self) -> None:
+        api = andpush._LegacyAPI(SERVER_KEY)
+        table: List[Tuple[Dict[str, Any], type, str]] = [
+            ({"token": TOKEN}, ValueError, "this is a v1 message .its target is 'token'.; the "
+             "legacy API's target is 'to'.*make the client with credentials="),
+            ({"topic": "news"}, ValueError, "its target is 'topic'"),
+            ({"notification": {"title": "Hi"}}, ValueError,
+             "needs exactly one target of to, registration_ids or condition; got none"),
+            ({"to": TOKEN, "condition": "'a' in topics"}, ValueError, "got to, condition"),
+            ({"to": ""}, ValueError, "a device token is empty"),
+            ({"to": 5}, TypeError, "a device token must be a str, got int"),
+            ({"registration_ids": TOKEN}, TypeError, "registration_ids must be a non-empty list"),
+            ({"registration_ids": [TOKEN, ""]}, ValueError, "a device token is empty"),
+        ]
+        for message, error, pattern in table:
+            with self.subTest(message=str(message)[:60]):
+                with self.assertRaisesRegex(error, pattern) as caught:
+                    api.prepare(message, False)
+                self.assertNotIn(TOKEN, str(caught.exception))
+        for message in ({"to": "/topics/news"}, {"condition": "'a' in topics"},
+                        {"registration_ids": [TOKEN, "b"]}, {"to": TOKEN}):
+            api.prepare(message, False)
+
+    def test_push_many_of_one_dict_is_one_type_error(self) -> None:
+        client = andpush.new(SERVER_KEY, ssl_context=client_context())
+        self.addCleanup(client.close)
+        with self.assertRaisesRegex(TypeError, r"push_many takes many messages, not one dict: "
+                                    r"push\(message\) sends one"):
+            client.push_many(V1_MESSAGE)  # type: ignore[call-overload]
+
+    def test_google_services_json_is_named_for_what_it_is(self) -> None:
+        config = {"project_info": {"project_id": "p", "project_number": "1"},
+                  "client": [{"api_key": [{"current_key": "AIza-not-a-secret-here"}]}],
+                  "configuration_version": "1"}
+        with self.assertRaisesRegex(andpush.AuthError, "google-services.json, the Android "
+                                    "app's Firebase config.*Service accounts, Generate new "
+                                    "private key"):
+            andpush.new(credentials=config, ssl_context=client_context())
+
+
+class DeviceTokenTest(V1TestCase):
+    """An empty or non-str device token gets the same error from push, push_multicast and
+    subscribe; a topic's /topics/ prefix is dropped, as firebase-admin drops it."""
+
+    def test_an_empty_token_is_one_value_error_everywhere(self) -> None:
+        client = self.fixed_token_client()
+        with self.assertRaisesRegex(ValueError, "^a device token is empty"):
+            client.push({"token": "", "data": {"k": "v"}})
+        with self.assertRaisesRegex(TypeError, "^a device token must be a str, got int"):
+            client.push({"token": 5, "data": {"k": "v"}})  # type: ignore[typeddict-item]
+        pairs = list(client.push_multicast({"data": {"k": "v"}}, ["", 5, "ok"]))  # type: ignore[list-item]
+        self.assertRegex(str(pairs[0][1]), "^a device token is empty")
+        self.assertIsInstance(pairs[0][1], ValueError)
+        self.assertRegex(str(pairs[1][1]), "^a device token must be a str, got int")
+        self.assertIsInstance(pairs[1][1], TypeError)
+        self.assertIsInstance(pairs[2][1], andpush.Response)
+        with self.assertRaisesRegex(ValueError, "^a device token is empty"):
+            client.subscribe(["ok", ""], "news")
+        self.assertEqual(tokens_sent(self.server), ["ok"])
+
+    def test_the_topics_prefix_is_dropped_in_push_and_subscribe(self) -> None:
+        client = self.fixed_token_client()
+        message = {"topic": "/topics/news", "data": {"k": "v"}}
+        client.push(message)
+        self.assertEqual(self.server.requests[-1].json["message"]["topic"], "news")
+        self.assertEqual(message["topic"], "/topics/news")  # the caller's dict is left as it is
+        client.subscribe(["a"], "/topics/news")
+        self.assertEqual(self.server.subscriptions, {("a", "news")})
+        with self.assertRaisesRegex(ValueError, "'bad topic!' is not a valid topic name"):
+            client.subscribe(["a"], "/topics/bad topic!")
+
+
+class BulkCountsTest(V1TestCase):
+    """What push_many and push_multicast return counts its successes and failures, as
+    firebase-admin's BatchResponse does, and a Response names its message's id."""
+
+    def test_push_many_counts_the_pairs_given_by_the_loop_and_by_close(self) -> None:
+        self.server.by_token.update({"t1": [fcm_error(404, "UNREGISTERED")],
+                                     "t3": [fcm_error(400, "INVALID_ARGUMENT")]})
+        messages: List[andpush.Message] = [{"token": "t%d" % i, "data": {"k": "v"}}
+                                           for i in range(6)]
+        messages.insert(2, {"token": "", "data": {}})  # refused before sending: a failure
+        client = self.fixed_token_client()
+        outcomes = client.push_many(messages, concurrency=2)
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (0, 0))
+        self.assertEqual(len(list(outcomes)), 7)
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (4, 3))
+        self.assertEqual(outcomes.close(), [])
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (4, 3))
+        self.server.by_token["t1"] = [fcm_error(404, "UNREGISTERED")]
+        stopped = client.push_many(messages, concurrency=2)
+        for _ in range(3):
+            next(stopped)
+        self.assertEqual((stopped.success_count, stopped.failure_count), (1, 2))
+        rest = stopped.close()  # the messages read by then, sent and answered
+        failed = sum(isinstance(outcome, Exception) for _, outcome in rest)
+        self.assertEqual((stopped.success_count, stopped.failure_count),
+                         (1 + len(rest) - failed, 2 + failed))
+
+    def test_push_multicast_counts_too(self) -> None:
+        self.server.by_token["b"] = [fcm_error(404, "UNREGISTERED")]
+        outcomes = self.fixed_token_client().push_multicast({"data": {"k": "v"}}, ["a", "b", "c"])
+        self.assertEqual([token for token, _ in outcomes], ["a", "b", "c"])
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (2, 1))
+
+    def test_a_legacy_refusal_of_the_token_counts_as_a_failure(self) -> None:
+        self.server.unregistered_tokens.add("gone")
+        with andpush.new(SERVER_KEY, endpoint=self.server.endpoint,
+                         ssl_context=client_context()) as legacy:
+            outcomes = legacy.push_multicast({"data": {"k": "v"}}, ["ok", "gone"])
+            pairs = list(outcomes)
+        self.assertIsInstance(pairs[1][1], andpush.Response)  # a 200, as push() returns it
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (1, 1))
+
+    def test_the_message_id_of_a_v1_and_of_a_legacy_answer(self) -> None:
+        answer = self.fixed_token_client().push(V1_MESSAGE)
+        self.assertEqual(answer.message_id, answer.json()["name"])
+        self.assertRegex(str(answer.message_id), r"^projects/%s/messages/0:\d+$" % TEST_PROJECT)
+        table: List[Tuple[Any, Optional[str]]] = [
+            ({"results": [{"message_id": "0:1%abc"}]}, "0:1%abc"),
+            ({"message_id": 6123}, "6123"),  # a legacy topic message's answer
+            ({"results": [{"message_id": "a"}, {"message_id": "b"}]}, None),  # one per token
+            ({"results": [{"error": "NotRegistered"}]}, None),
+            ({}, None), ([1], None),
+        ]
+        for body, expected in table:
+            with self.subTest(body=body):
+                self.assertEqual(response(200, body).message_id, expected)
+        self.assertIsNone(andpush.Response(200, "OK", andpush.Headers({}), b"<html>").message_id)
+
+
+class JwtAudienceTest(unittest.TestCase):
+    """The JWT's aud is Google's fixed audience for Google's token endpoints (as google-auth
+    signs it, whatever token_uri says), and token_uri itself for any other."""
+
+    def audience(self, token_uri: Optional[str]) -> str:
+        info = {"type": "service_account", "client_email": TEST_CLIENT_EMAIL,
+                "private_key": TEST_RSA_KEY_PKCS8_PEM}
+        if token_uri is not None:
+            info["token_uri"] = token_uri
+        assertion = andpush._ServiceAccount(info, _NoLoop()).assertion(1000)  # type: ignore[arg-type]
+        return str(json.loads(_b64url_decode(assertion.split(".")[1]))["aud"])
+
+    def test_googles_endpoints_get_googles_audience(self) -> None:
+        for token_uri in (None, "https://oauth2.googleapis.com/token",
+                          "https://accounts.google.com/o/oauth2/token",
+                          "https://www.googleapis.com/oauth2/v4/token",
+                          "https://OAuth2.GoogleAPIs.com/token"):
+            with self.subTest(token_uri=token_uri):
+                self.assertEqual(self.audience(token_uri), "https://oauth2.googleapis.com/token")
+
+    def test_any_other_endpoint_is_its_own_audience(self) -> None:
+        for token_uri in ("https://127.0.0.1:8443/token", "https://auth.example.com/token",
+                          "https://googleapis.com.example.net/token",
+                          "http://oauth2.googleapis.com/token"):
+            with self.subTest(token_uri=token_uri):
+                self.assertEqual(self.audience(token_uri), token_uri)
 
 
 class V1ErrorTest(V1TestCase):
@@ -4416,6 +4776,263 @@ class BrokenCredentialsTest(unittest.TestCase):
                 self.assertNotIn("MII", str(caught.exception))
 
 
+FRAGMENT = 16  # characters: a run this long of a secret's text is a leak (96 bits of base64)
+
+
+def fragments(*secrets: str) -> Set[str]:
+    """Every run of FRAGMENT characters of the secrets, as they are written and with their
+    line breaks (and JSON's written-out ones) dropped, as a message might join them."""
+    runs = set()
+    for secret in secrets:
+        for text in (secret, squeezed(secret)):
+            runs.update(text[i:i + FRAGMENT] for i in range(len(text) - FRAGMENT + 1))
+    return runs
+
+
+def squeezed(text: str) -> str:
+    return re.sub(r"\s+|\\n", "", text)
+
+
+def leaks(text: str, secret_runs: Set[str]) -> List[str]:
+    """The runs of secret text in ``text`` (as written, and squeezed)."""
+    found = []
+    for candidate in (text, squeezed(text)):
+        found.extend(candidate[i:i + FRAGMENT] for i in range(len(candidate) - FRAGMENT + 1)
+                     if candidate[i:i + FRAGMENT] in secret_runs)
+    return found
+
+
+def exception_texts(exc: BaseException) -> List[str]:
+    """What an error tracker or a log can show of an exception: its message, repr, args and
+    traceback, and the same of every exception chained to it, suppressed ones too."""
+    texts = []
+    seen: Set[int] = set()
+    pending: List[Optional[BaseException]] = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        texts += [str(current), repr(current), repr(current.args)]
+        texts += traceback.format_exception(type(current), current, current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+    return texts
+
+
+def pem_body(pem: str) -> str:
+    """The base64 of a PEM block, without its BEGIN and END lines (which are no secret)."""
+    return "\n".join(pem.strip().splitlines()[1:-1])
+
+
+def private_numbers() -> List[str]:
+    key = andpush._parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+    numbers = [key.d, key.p, key.q, key.dp, key.dq, key.qinv]
+    return ["%d" % n for n in numbers] + ["%x" % n for n in numbers] + ["%X" % n for n in numbers]
+
+
+class NoSecretInErrorsTest(unittest.TestCase):
+    """Every error of credentials and token handling, given the real test key in the ways
+    people get it wrong, shows no run of FRAGMENT characters of it: not of the PEM body (as
+    PKCS#8 or PKCS#1; its BEGIN and END lines are no secret), of the base64 of the key file,
+    of the key's private numbers, of the signed JWT, of an access token or of a refresh token
+    and client secret. The client_email and private_key_id are not secret (the key id goes
+    out in the clear in every JWT's header, and Google publishes the certificate under it),
+    so they may be named."""
+
+    def setUp(self) -> None:
+        self.context = client_context()  # one for all the clients: loading it costs 20 ms
+        self.server = FakeGoogle().start()
+        self.addCleanup(self.server.close)
+        self.folder = tempfile.mkdtemp()
+        self.addCleanup(shutil.rmtree, self.folder)
+        self.info = service_account_info(self.server)
+        self.key_file = json.dumps(self.info, indent=2)
+        self.encoded = base64.b64encode(self.key_file.encode()).decode()
+        self.secrets = [pem_body(TEST_RSA_KEY_PKCS8_PEM), pem_body(TEST_RSA_KEY_PKCS1_PEM),
+                        self.encoded,
+                        base64.urlsafe_b64encode(self.key_file.encode()).decode(),
+                        base64.b64encode(TEST_RSA_KEY_PKCS8_PEM.encode()).decode(),
+                        "cs-0123456789abcdef", self.server.refresh_token] + private_numbers()
+
+    def assert_no_secret(self, texts: Iterable[str], *more_secrets: str) -> None:
+        if not hasattr(self, "secret_runs"):
+            self.secret_runs = fragments(*self.secrets)
+        secret_runs = self.secret_runs | fragments(*more_secrets)
+        for text in texts:
+            self.assertEqual(leaks(text, secret_runs), [], text)
+
+    def bad_credentials(self) -> List[Tuple[str, Any]]:
+        pem = TEST_RSA_KEY_PKCS8_PEM
+        lines = pem.splitlines()
+        body = lines[1:-1]
+        half = "\n".join(lines[: len(lines) // 2] + lines[-1:]) + "\n"
+        middle = len(pem) // 2
+        der = base64.b64decode("".join(body))
+        return [
+            ("base64 of the key file", self.encoded),
+            ("base64url of the key file", base64.urlsafe_b64encode(self.key_file.encode())
+             .decode().rstrip("=")),
+            ("base64 of the key file, in lines", base64.encodebytes(self.key_file.encode())
+             .decode()),
+            ("the bare PEM", pem),
+            ("the bare PKCS#1 PEM", TEST_RSA_KEY_PKCS1_PEM),
+            ("the PEM body on one line", "".join(body)),
+            ("the PEM body in lines", "\n".join(body)),
+            ("the key file cut short", self.key_file[: len(self.key_file) // 2]),
+            ("the key file and more", self.key_file + "\n" + pem),
+            ("the key file in a list", "[%s]" % self.key_file),
+            ("the key file without a type", dict(self.info, type=None)),
+            ("the key as the type", dict(self.info, type=pem)),
+            ("the key as an unknown type", dict(self.info, type="".join(body)[:40])),
+            ("a key on one line", dict(self.info, private_key=pem.replace("\n", " "))),
+            ("a key whose BEGIN line runs on", dict(self.info, private_key=pem.replace(
+                "-----\n", "-----", 1))),
+            ("a key with written-out line breaks", dict(
+                self.info, private_key=pem.replace("\n", "\\n"))),
+            ("a key with written-out line breaks, none at the end", dict(
+                self.info, private_key=pem.replace("\n", "\\n")[:-2])),
+            ("a key cut short", dict(self.info, private_key=half)),
+            ("a key with one character changed", dict(
+                self.info, private_key=pem[:middle] + ("A" if pem[middle] != "A" else "B")
+                + pem[middle + 1:])),
+            ("a key with a character that is not base64", dict(
+                self.info, private_key=pem[:middle] + "*" + pem[middle + 1:])),
+            ("a key without its PEM lines", dict(self.info, private_key="\n".join(body))),
+            ("a key as base64 of the PEM", dict(
+                self.info, private_key=base64.b64encode(pem.encode()).decode())),
+            ("a key with the wrong END line", dict(
+                self.info, private_key=pem.replace("END PRIVATE", "END RSA PRIVATE"))),
+            ("a PKCS#1 key under the PKCS#8 label", dict(
+                self.info, private_key=TEST_RSA_KEY_PKCS1_PEM.replace("RSA PRIVATE", "PRIVATE"))),
+            ("a key as bytes", dict(self.info, private_key=pem.encode())),
+            ("a key without its email", dict(self.info, client_email="")),
+            ("a file of base64 of the key file", self.write("b64.json", self.encoded)),
+            ("a file of the PEM", self.write("key.pem", pem)),
+            ("a file of the DER key", self.write("key.der", der)),
+            ("a file of the key file cut short", self.write(
+                "short.json", self.key_file[: len(self.key_file) // 2])),
+            ("user credentials without the client secret", {
+                "type": "authorized_user", "client_id": "cid", "client_secret": "",
+                "refresh_token": self.server.refresh_token}),
+            ("user credentials with a secret that is not a string", {
+                "type": "authorized_user", "client_id": "cid", "client_secret": 12,
+                "refresh_token": self.server.refresh_token}),
+        ]
+
+    def write(self, name: str, contents: Union[str, bytes]) -> str:
+        path = os.path.join(self.folder, name)
+        with open(path, "wb") as file:
+            file.write(contents.encode() if isinstance(contents, str) else contents)
+        return path
+
+    def test_no_error_of_bad_credentials_shows_the_key(self) -> None:
+        for what, credentials in self.bad_credentials():
+            with self.subTest(what):
+                with self.assertRaises(andpush.AuthError) as caught:
+                    andpush.new(credentials=credentials, ssl_context=self.context)
+                self.assert_no_secret(exception_texts(caught.exception))
+
+    def test_a_wrong_string_is_described_by_its_shape_and_length(self) -> None:
+        table = [
+            (self.encoded, "a string of %s characters that is neither JSON nor the path of a "
+             "file; it looks like base64 of a key file: decode it"
+             % format(len(self.encoded), ",")),
+            (TEST_RSA_KEY_PKCS8_PEM, "it holds a PEM block, which is only a part of a key file: "
+             "pass the whole service account JSON key file"),
+            ("".join(TEST_RSA_KEY_PKCS8_PEM.splitlines()[1:-1]),
+             "it looks like base64 of a private key"),
+            ("ya29.a0AfH6SMBx3b-not-a-path", "a string of 28 characters that is neither JSON "
+             "nor the path"),
+            ("1//0gLk-refresh-token_123", "a string of 25 characters"),
+        ]
+        for credentials, expected in table:
+            with self.subTest(expected):
+                with self.assertRaises(andpush.AuthError) as caught:
+                    andpush.new(credentials=credentials, ssl_context=self.context)
+                self.assertIn(expected, str(caught.exception))
+                self.assertNotIn(credentials[:FRAGMENT], str(caught.exception))
+
+    def test_what_has_the_shape_of_a_path_is_shown_as_one(self) -> None:
+        for path in ["/no/such/folder/key.json", "key.json", os.path.join(self.folder, "fcm"),
+                     pathlib.Path("/no/such/folder/fcm")]:
+            with self.subTest(str(path)):
+                with self.assertRaisesRegex(andpush.AuthError, "cannot read credentials file "
+                                            + re.escape(repr(str(path)))):
+                    andpush.new(credentials=path, ssl_context=self.context)
+
+    def test_google_application_credentials_is_named_when_it_holds_a_key(self) -> None:
+        with environment(GOOGLE_APPLICATION_CREDENTIALS=self.encoded):
+            with self.assertRaises(andpush.AuthError) as caught:
+                andpush.new(ssl_context=self.context)
+        self.assertIn("GOOGLE_APPLICATION_CREDENTIALS is a string of", str(caught.exception))
+        self.assert_no_secret(exception_texts(caught.exception))
+
+    def test_the_command_line_shows_no_key_even_in_its_debug_log(self) -> None:
+        stderr = io.StringIO()
+        with self.assertLogs("andpush", "DEBUG") as logs, contextlib.redirect_stderr(stderr):
+            status = andpush.main(["--credentials", self.encoded, "check"])
+        self.assertEqual(status, 77)
+        self.assertIn("--credentials is a string of", stderr.getvalue())
+        self.assert_no_secret([stderr.getvalue()] + logs.output)
+
+    def test_no_error_of_the_token_endpoint_shows_a_secret(self) -> None:
+        unusable = "ya29.unusable-token \r\n-0123456789"
+        answers: List[Tuple[str, List[Any]]] = [
+            ("a refused key", [Reply(400, json={"error": "invalid_grant",
+                                                "error_description": "Invalid JWT Signature."})]),
+            ("an outage", [Reply(503, body=b"")] * 3),
+            ("an answer that is not JSON", [Reply(200, body=b"<html>")]),
+            ("an answer without a token", [Reply(200, json={"token_type": "Bearer"})]),
+            ("an unusable token", [Reply(200, json={"access_token": unusable})]),
+            ("a token FCM refuses", [Reply(200, json={"access_token": "ya29.refused-0123456789",
+                                                      "expires_in": 3599}),
+                                     fcm_error(401, None, "Request had invalid authentication "
+                                               "credentials.")] * 2),
+        ]
+        for what, replies in answers:
+            with self.subTest(what):
+                self.server.inject(*replies)
+                self.assert_push_shows_no_secret(service_account_info(self.server), unusable,
+                                                 "ya29.refused-0123456789")
+
+    def test_no_error_of_user_credentials_shows_a_secret(self) -> None:
+        info = {"type": "authorized_user", "client_id": "cid",
+                "client_secret": "cs-0123456789abcdef", "refresh_token": "wrong-0123456789abcdef",
+                "token_uri": self.server.endpoint + "/token"}
+        self.assert_push_shows_no_secret(info, "wrong-0123456789abcdef")
+
+    def test_an_unreachable_token_endpoint_shows_no_secret(self) -> None:
+        info = dict(self.info, token_uri="https://127.0.0.1:%d/token" % _closed_port())
+        self.assert_push_shows_no_secret(info)
+
+    def assert_push_shows_no_secret(self, credentials: Dict[str, Any], *secrets: str) -> None:
+        """Push once and push_many twice with ``credentials``, and check that neither the
+        errors, the log (DEBUG) nor the reprs show a secret, the JWTs and tokens sent included."""
+        before = len(self.server.requests)
+        with self.assertLogs("andpush", "DEBUG") as logs:
+            logging.getLogger("andpush").debug("start")  # assertLogs needs one line
+            client = andpush.new(credentials=credentials, endpoint=self.server.endpoint,
+                                 ssl_context=self.context, max_retries=1)
+            FakeClock.install(client)
+            texts = [repr(client), repr(client._requests.api._tokens),
+                     repr(client._requests.api._tokens.credentials)]
+            try:
+                client.push(V1_MESSAGE)
+            except andpush.Error as exc:
+                texts += exception_texts(exc)
+            for _, outcome in client.push_many([V1_MESSAGE] * 2):
+                if isinstance(outcome, BaseException):
+                    texts += exception_texts(outcome)
+            client.close()
+        sent = [r.body.decode("ascii", "replace") for r in self.server.requests[before:]]
+        sent_jwts = [value for body in sent for name, value in urllib.parse.parse_qsl(body)
+                     if name == "assertion"]
+        self.assertGreater(len(texts), 3)  # an error, at least
+        self.assertEqual(self.server.pending, 0)
+        self.assert_no_secret(texts + logs.output, *(sent_jwts + list(secrets)
+                                                     + self.server.issued))
+
+
 class ApplicationDefaultCredentialsTest(unittest.TestCase):
     def setUp(self) -> None:
         self.google = FakeGoogle().start()
@@ -4569,7 +5186,7 @@ class TopicManagementTest(V1TestCase):
         with self.assertRaisesRegex(TypeError, "list of str"):
             client.subscribe("a", "news")
         with self.assertRaisesRegex(ValueError, "topic"):
-            client.subscribe(["a"], "/topics/news")
+            client.subscribe(["a"], "news!")
         with self.assertRaisesRegex(ValueError, "v1"):
             self.client().subscribe(["a"], "news")
 
@@ -5040,19 +5657,23 @@ class ReadmeExamplesTest(unittest.TestCase):
                     if line.startswith("andpush ")]
         self.assertGreaterEqual(len(commands), 5)
         with FakeGoogle() as server, tempfile.TemporaryDirectory() as directory:
-            with open(os.path.join(directory, "key.json"), "w") as file:
-                json.dump(service_account_info(server), file)
+            for name in ("key.json", "service-account.json"):
+                with open(os.path.join(directory, name), "w") as file:
+                    json.dump(service_account_info(server), file)
             with open(os.path.join(directory, "ca.pem"), "w") as file:
                 file.write(TEST_CA_PEM)
             with open(os.path.join(directory, "tokens.txt"), "w") as file:
                 file.write("# test devices\ntoken-1\n\ntoken-2\n")
+            with open(os.path.join(directory, "messages.jsonl"), "w") as file:
+                file.write('{"token": "token-1", "notification": {"title": "Hi Ann"}}\n'
+                           '{"topic": "news", "data": {"edition": "42"}}\n')
             cwd = os.getcwd()
             os.chdir(directory)  # the examples name their files relative to it
             try:
                 for command in commands:
                     with self.subTest(command):
-                        argv = shlex.split(command)[1:] + ["--endpoint", server.endpoint,
-                                                           "--cafile", "ca.pem"]
+                        argv = shlex.split(command, comments=True)[1:] + [
+                            "--endpoint", server.endpoint, "--cafile", "ca.pem"]
                         stderr = io.StringIO()
                         with contextlib.redirect_stdout(io.StringIO()), \
                                 contextlib.redirect_stderr(stderr):
@@ -5066,7 +5687,9 @@ class ReadmeExamplesTest(unittest.TestCase):
 class ManualTest(unittest.TestCase):
     """help(andpush) reads as a manual: the usage first, public names only, attributes told."""
 
-    MAX_LINES = 1700  # about 1,450 today, most of it what pydoc shows of every Exception
+    # About 1,900 lines today (2,100 under 3.13, whose pydoc writes a long signature a
+    # parameter a line), most of it what pydoc shows of every Exception.
+    MAX_LINES = 2200
     PRIVATE_NAME = re.compile(r"(?<![\w.])_[A-Za-z]\w*|andpush\._\w+")
 
     def manual(self) -> str:
@@ -5076,11 +5699,11 @@ class ManualTest(unittest.TestCase):
         self.assertLess(len(self.manual().splitlines()), self.MAX_LINES)
 
     def test_it_shows_no_private_names(self) -> None:
-        # The clients' constructors are wiring that new() and new_async() do: their
-        # parameters are internal types.
-        wiring = set(self.PRIVATE_NAME.findall(
-            str(inspect.signature(andpush.Client.__init__))
-            + str(inspect.signature(andpush.AsyncClient.__init__))))
+        # The constructors of the clients and of what push_many returns are wiring that
+        # new(), new_async() and push_many do: their parameters are internal types.
+        wiring = set(self.PRIVATE_NAME.findall("".join(
+            str(inspect.signature(cls.__init__)) for cls in (
+                andpush.Client, andpush.AsyncClient, andpush.Outcomes, andpush.AsyncOutcomes))))
         self.assertEqual(set(self.PRIVATE_NAME.findall(self.manual())) - wiring, set())
 
     def test_it_lists_only_the_public_names_once_each(self) -> None:
@@ -5476,6 +6099,69 @@ class CliSendManyTest(CliTestCase):
         message = self.write("message.json", json.dumps({"topic": "news"}))
         result = self.andpush("send-many", "--tokens", "-", "--message", message, stdin="a\n")
         self.assertErrorLine(result, 2, "must have no target")
+
+    def test_messages_from_a_json_lines_file_each_with_its_own_target(self) -> None:
+        self.server.by_token["gone"] = [fcm_error(404, "UNREGISTERED")]
+        lines = [
+            {"token": "t1", "notification": {"title": "Hi Ann"}, "data": {"name": "Ann"}},
+            {"message": {"token": "t2", "notification": {"title": "Hi Bob"}}},  # a body
+            {"topic": "news", "notification": {"title": "To all"}},
+            {"token": "gone", "data": {"k": "v"}},
+            {"token": "t3", "notificaton": {"title": "a slip"}},
+        ]
+        text = "# one a line\n" + "\n".join(json.dumps(line) for line in lines) + "\n\n"
+        result = self.andpush("send-many", "--messages", self.write("m.jsonl", text),
+                              "--results", os.path.join(self.folder, "results.jsonl"),
+                              "--unregistered", os.path.join(self.folder, "dead.txt"))
+        self.assertExit(result, 1)
+        sent = [r.json["message"] for r in self.server.requests if r.path.endswith(":send")]
+        self.assertEqual(sorted(m.get("token", m.get("topic")) for m in sent),
+                         ["gone", "news", "t1", "t2"])
+        self.assertIn({"token": "t1", "notification": {"title": "Hi Ann"},
+                       "data": {"name": "Ann"}}, sent)
+        records = [json.loads(line) for line in self.read("results.jsonl").splitlines()]
+        self.assertEqual([r["token"] for r in records], ["t1", "t2", None, "gone", "t3"])
+        self.assertEqual([r["ok"] for r in records], [True, True, True, False, False])
+        self.assertEqual(records[4]["error"], "INVALID_MESSAGE")
+        self.assertIn("did you mean 'notification'", records[4]["detail"])
+        self.assertEqual(self.read("dead.txt"), "gone\n")
+        self.assertIn("sent 3 of 5 messages, 2 failed (1 INVALID_MESSAGE, 1 UNREGISTERED)",
+                      result.stderr)
+
+    def test_a_line_that_is_no_json_object_stops_the_run_there(self) -> None:
+        text = '{"token": "t1", "data": {"k": "v"}}\n{"token": \n'
+        result = self.andpush("send-many", "--messages", self.write("m.jsonl", text))
+        self.assertExit(result, 2)
+        self.assertIn("line 2 of --messages", result.stderr)
+        self.assertIn("is not JSON", result.stderr)
+        self.assertEqual(tokens_sent(self.server), ["t1"])
+        result = self.andpush("send-many", "--messages", "-", stdin="[1, 2]\n")
+        self.assertIn("line 1 of --messages '-' must hold a JSON object", result.stderr)
+
+    def test_messages_take_no_content_options_nor_tokens(self) -> None:
+        path = self.write("m.jsonl", '{"token": "t1", "data": {"k": "v"}}\n')
+        result = self.andpush("send-many", "--messages", path, "--title", "Hi")
+        self.assertErrorLine(result, 2, "--messages holds whole messages: give no --title")
+        result = self.andpush("send-many", "--messages", path, "--tokens", path)
+        self.assertErrorLine(result, 2, "not allowed with argument")
+        self.assertFalse(tokens_sent(self.server))
+
+    def test_a_repeated_data_key_is_a_usage_error(self) -> None:
+        result = self.andpush("send-many", "--tokens", "-", "--data", "order=1",
+                              "--data", "k=v", "--data", "order=2", stdin="a\n")
+        self.assertErrorLine(result, 2, "--data gives 'order' more than once")
+        result = self.andpush("send", "--token", "a", "--data", "k=1", "--data", "k=2")
+        self.assertErrorLine(result, 2, "--data gives 'k' more than once")
+        self.assertFalse(tokens_sent(self.server))
+
+    def test_legacy_results_carry_the_canonical_token(self) -> None:
+        self.server.canonical_tokens["old"] = "new"
+        result = self.andpush("send-many", "--tokens", "-", "--title", "Hi", "--results", "-",
+                              stdin="old\nsame\n", server_key=SERVER_KEY)
+        self.assertExit(result, 0)
+        records = [json.loads(line) for line in result.stdout.splitlines()]
+        self.assertEqual([(r["token"], r["canonical_token"]) for r in records],
+                         [("old", "new"), ("same", None)])
 
 
 
@@ -7082,6 +7768,155 @@ class HTTP2TestCase(ServerTestCase):
 
 
 
+@contextlib.contextmanager
+def mute_server() -> Iterator[str]:
+    """The endpoint of a server that takes connections (into its backlog) and never says a
+    word, not even the TLS handshake's."""
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        yield "https://127.0.0.1:%d" % mute.getsockname()[1]
+
+
+class CertificateFailureTest(unittest.TestCase):
+    """A certificate that fails verification is a CertificateError (a NetworkError of the
+    setup): not retried, and its message says how to trust the right CA. The clients trust
+    no CA at all (loading the system's costs 20 ms a client)."""
+
+    def test_an_untrusted_certificate_is_not_retried_and_says_how_to_fix_it(self) -> None:
+        with FakeFCM() as server:
+            client = andpush.new(SERVER_KEY, endpoint=server.endpoint, max_retries=3,
+                                 ssl_context=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+            self.addCleanup(client.close)
+            clock = FakeClock.install(client)
+            with self.assertRaises(andpush.CertificateError) as caught:
+                client.push(LEGACY_MESSAGE)
+            error = caught.exception
+            self.assertIsInstance(error, andpush.NetworkError)
+            self.assertFalse(error.may_have_been_delivered)
+            for fragment in ("CERTIFICATE_VERIFY_FAILED", "ssl_context=", "--cafile",
+                             "proxy", "Sending again cannot help", server.endpoint):
+                self.assertIn(fragment, str(error))
+            self.assertEqual(clock.sleeps[1::2], [])  # no backoff: not retried (the
+            # route only holds off after the failed connect)
+            self.assertTrue(wait_until(lambda: server.connections == 1))
+            self.assertEqual((server.connections, server.processed), (1, 0))
+
+    def test_a_certificate_for_another_host_points_at_the_endpoint(self) -> None:
+        failure = ssl.SSLCertVerificationError(1, "certificate verify failed")
+        failure.verify_code = 62  # X509_V_ERR_HOSTNAME_MISMATCH
+        failure.verify_message = "Hostname mismatch, certificate is not valid for 'x'."
+        error = andpush._connect_error(andpush._Origin("https://x", None), failure, 10.0, False)
+        self.assertIsInstance(error, andpush.CertificateError)
+        self.assertIn("check the endpoint, and the proxy if one answers for it", str(error))
+        self.assertNotIn("--cafile", str(error))
+
+    def test_the_token_endpoints_certificate_too(self) -> None:
+        with FakeGoogle() as server:
+            client = andpush.new(credentials=service_account_info(server),
+                                 endpoint=server.endpoint,
+                                 ssl_context=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+            self.addCleanup(client.close)
+            clock = FakeClock.install(client)
+            with self.assertRaises(andpush.CertificateError):
+                client.push(V1_MESSAGE)
+            self.assertEqual(clock.sleeps[1::2], [])  # not retried (a hold-off, no backoff)
+
+    def test_the_asyncio_client_gives_the_same_error(self) -> None:
+        async def push(server: FakeFCM) -> None:
+            async with andpush.new_async(
+                    SERVER_KEY, endpoint=server.endpoint, max_retries=3, backoff_factor=10.0,
+                    ssl_context=ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)) as client:
+                await client.push(LEGACY_MESSAGE)
+
+        with FakeFCM() as server, self.assertRaises(andpush.CertificateError) as caught:
+            asyncio.run(push(server))
+        self.assertIn("--cafile", str(caught.exception))
+
+    def test_the_command_line_exits_with_the_setup_status(self) -> None:
+        with FakeGoogle() as server, tempfile.TemporaryDirectory() as folder:
+            key = os.path.join(folder, "key.json")
+            with open(key, "w") as file:
+                json.dump(service_account_info(server), file)
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+                status = andpush.main(["--credentials", key, "--endpoint", server.endpoint,
+                                       "check"])
+        self.assertEqual(status, 77)
+        self.assertIn("andpush: error: TLS problem, fix the setup: the TLS certificate of",
+                      stderr.getvalue())
+        self.assertIn("--cafile", stderr.getvalue())
+
+
+class TimeoutErrorTest(HTTP2TestCase):
+    """A timeout's error says which one ran out, after how long, for what URL, and how to
+    raise it; over HTTP/2 as over HTTP/1.1, and for the connect timeout too."""
+
+    HINT = "raise it with timeout=SECONDS"
+
+    def test_the_read_timeout_over_http2(self) -> None:
+        self.server.reply_delay = 0.3
+        client = self.h2_client(timeout=(1.0, 0.05))
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(V1_MESSAGE)
+        self.assertEqual(str(caught.exception), (
+            "no answer from %s/v1/projects/%s/messages:send within the read timeout of 0.05 s "
+            "(the request may have been processed); if the server is slow, %s"
+            % (self.server.endpoint, TEST_PROJECT, self.HINT)))
+        self.assertTrue(caught.exception.may_have_been_delivered)
+        with self.assertRaisesRegex(andpush.NetworkError, "read timeout of 0.07 s"):
+            client.push(V1_MESSAGE, timeout=0.07)
+
+    def test_the_read_timeout_over_http1_hides_the_device_token_of_a_topic_change(
+            self) -> None:
+        self.server.reply_delay = 0.3
+        client = self.h2_client(timeout=(1.0, 0.05), http2=False)
+        with self.assertRaises(andpush.NetworkError) as caught:
+            client.push(V1_MESSAGE)
+        self.assertIn("no answer from %s/v1/projects/%s/messages:send within the read timeout "
+                      "of 0.05 s" % (self.server.endpoint, TEST_PROJECT), str(caught.exception))
+        self.assertIn(self.HINT, str(caught.exception))
+        (outcome,) = client.subscribe([TOKEN], "news")
+        self.assertIn("/v1/projects/%s/registrations/... within the read timeout"
+                      % TEST_PROJECT, str(outcome))
+        self.assertNotIn(TOKEN, str(outcome))
+
+    def test_the_connect_timeout_of_a_server_that_never_shakes_hands(self) -> None:
+        with mute_server() as endpoint:
+            client = andpush.new(SERVER_KEY, endpoint=endpoint, timeout=(0.05, 1.0),
+                                 max_retries=0, ssl_context=client_context())
+            self.addCleanup(client.close)
+            with self.assertRaises(andpush.NetworkError) as caught:
+                client.push(LEGACY_MESSAGE)
+        self.assertIn(  # (the try's own deadline may come first: "not sent: ...")
+            "could not connect to %s within the connect timeout of 0.05 s; if the network is "
+            "slow, %s" % (endpoint, self.HINT), str(caught.exception))
+        self.assertFalse(caught.exception.may_have_been_delivered)
+
+    def test_no_settings_within_the_connect_timeout(self) -> None:
+        self.server.send_settings = False
+        with self.assertRaises(andpush.NetworkError) as caught:
+            self.h2_client(timeout=(0.05, 1.0)).push(V1_MESSAGE)
+        self.assertIn("sent no HTTP/2 SETTINGS within the connect timeout of 0.05 s; if the "
+                      "server is slow, " + self.HINT, str(caught.exception))
+
+    def test_the_command_line_names_its_option(self) -> None:
+        self.server.reply_delay = 0.3
+        stderr = io.StringIO()
+        with tempfile.TemporaryDirectory() as folder:
+            ca_file = os.path.join(folder, "ca.pem")
+            with open(ca_file, "w") as file:
+                file.write(TEST_CA_PEM)
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()), \
+                    environment(ANDPUSH_SERVER_KEY=SERVER_KEY):
+                status = andpush.main(["--endpoint", self.server.endpoint, "--cafile", ca_file,
+                                       "--timeout", "0.05", "--max-retries", "0", "send",
+                                       "--token", TOKEN, "--title", "Hi"])
+        self.assertEqual(status, 75)
+        self.assertIn("within the read timeout of 0.05 s", stderr.getvalue())
+        self.assertIn("raise it with --timeout SECONDS", stderr.getvalue())
+
+
 class EngineTest(HTTP2TestCase):
     """One I/O thread per client owns its connections, which outlive each call."""
 
@@ -8308,6 +9143,38 @@ class AsyncRunTest(unittest.TestCase):
             kept.clear()
             gc.collect()
         self.assertEqual(unraisable, [])
+
+
+class AsyncTimeoutErrorTest(AsyncTestCase):
+    async def test_the_asyncio_client_says_the_same(self) -> None:
+        self.server.reply_delay = 0.3
+        client = self.h2_client(timeout=(1.0, 0.05))
+        with self.assertRaisesRegex(andpush.NetworkError, "no answer from %s/v1/projects/.*"
+                                    "read timeout of 0.05 s" % re.escape(self.server.endpoint)):
+            await client.push(V1_MESSAGE)
+
+    async def test_and_of_the_connect_timeout(self) -> None:
+        with mute_server() as endpoint:
+            client = andpush.new_async(SERVER_KEY, endpoint=endpoint, timeout=(0.05, 1.0),
+                                       max_retries=0, ssl_context=client_context())
+            self.addAsyncCleanup(client.aclose)
+            with self.assertRaisesRegex(andpush.NetworkError, "could not connect to %s within "
+                                        "the connect timeout of 0.05 s" % re.escape(endpoint)):
+                await client.push(LEGACY_MESSAGE)
+
+
+class AsyncBulkCountsTest(AsyncTestCase):
+    async def test_the_async_outcomes_count_too(self) -> None:
+        self.server.by_token["t1"] = [fcm_error(404, "UNREGISTERED")]
+        outcomes = self.h2_client().push_many({"token": "t%d" % i, "data": {"k": "v"}}
+                                              for i in range(4))
+        first = await outcomes.__anext__()
+        self.assertEqual(first[0]["token"], "t0")
+        await outcomes.aclose()
+        self.assertEqual((outcomes.success_count, outcomes.failure_count), (3, 1))
+        multicast = self.h2_client().push_multicast({"data": {"k": "v"}}, ["a", ""])
+        self.assertEqual([token async for token, _ in multicast], ["a", ""])
+        self.assertEqual((multicast.success_count, multicast.failure_count), (1, 1))
 
 
 class AsyncConcurrencyTest(AsyncTestCase):
@@ -10012,7 +10879,7 @@ class SimRun:
         batch.run = self
         driver.add_batch(batch)
         batch.start(event_loop)
-        outcomes = andpush._AsyncOutcomes(batch)
+        outcomes = andpush.AsyncOutcomes(batch)
         if self.stop_after is not None:
             self.loop.call_later(self.stop_after, self._stop, record)
         while True:
