@@ -1022,9 +1022,15 @@ def cells(result: Result) -> Tuple[str, ...]:
             "%.2fx" % figures["cpu_vs_h2load"] if "cpu_vs_h2load" in figures else "-")
 
 
+def missed(result: Result) -> str:
+    """Which of a row's targets were missed, when it has more than one."""
+    texts = [text for text, ok in result.checks if ok is False]
+    return " (%s)" % ", ".join(texts) if texts and len(result.checks) > 1 else ""
+
+
 def table(results: List[Result]) -> str:
     rows = [COLUMNS] + [(r.row.name + " (50 ms)" * r.row.relayed,) + cells(r) + (
-        " ".join(text for text, _ in r.checks) or "-", r.met) for r in results]
+        " ".join(text for text, _ in r.checks) or "-", r.met + missed(r)) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.rjust(w) if 3 <= i <= 11 else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
