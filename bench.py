@@ -1,8 +1,12 @@
-"""Benchmark andpush against a server we did not write: nginx on loopback.
+"""Benchmark andpush against a server we did not write (nginx on loopback), beside a client we
+did not write (h2load, in C).
 
 ``python bench.py`` (a few minutes); ``--quick`` (a smoke run), ``--rows NAME,...`` (parts of
-names; ``--list`` shows them), ``--own-server``. No network, no credentials. The peers (pyfcm,
-firebase-admin) run when importable: use a virtual environment's interpreter that has them.
+names; ``--list`` shows them), ``--json`` (one JSON object: every row, its figures and targets),
+``--own-server``. No network, no credentials. The peers (pyfcm, firebase-admin) run when
+importable: use a virtual environment's interpreter that has them. The last line is the
+verdict: the exit status is 1 if a row failed (it errored, or a message got no outcome or a
+failure); a target MISSED is not a failure. Under ``python -B`` no bytecode is written.
 
 nginx (``apt-get install nginx-light``) runs from a temporary folder with the tests' throw-away
 certificate: one worker, HTTP/2 and HTTP/1.1 by ALPN, 100 streams a connection and TLS 1.3 (a
@@ -17,7 +21,14 @@ bytes a round trip more: its handshake). Their ideal is the concurrency (over HT
 relay carries 3x the top one. Each row runs in a child process: ``msg/s`` is successes over
 wall time, ``CPU/1k`` the child's CPU (all threads) per 1,000 messages, ``ratio`` to the ideal
 or to the floor (raw requests on one kept-alive TLS socket, taking turns with the row),
-``srv/relay`` the share of a core the server and relay used. The targets are all in ROWS.
+``srv/relay`` the share of a core the server and relay used.
+
+Beside each bulk row, h2load (``apt-get install nghttp2-client``) sends the same request (path,
+headers, body) the same way (the row's connections, streams, server and relay), just after the
+row: ``h2load/s`` and ``h2load CPU`` (its user + system time per 1,000, less its start-up),
+``rate/h2`` and ``CPU/h2`` the row's as ratios of them. A row's batches are one h2load run, and
+for a row timed after a warm-up h2load's rate is taken after as many of its requests ended.
+The targets are all in ROWS: ratios to h2load where it applies, else to the ideal or floor.
 """
 
 import argparse
@@ -31,7 +42,9 @@ import itertools
 import json
 import os
 import re
+import resource
 import selectors
+import shlex
 import shutil
 import signal
 import socket
@@ -42,7 +55,7 @@ import sys
 import tempfile
 import time
 import timeit
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,7 +101,9 @@ class Row:
     max_cpu: Optional[float] = None  # client CPU seconds per 1,000 messages
     cpu_below: Tuple[str, float] = ("", 1.0)  # CPU per message at most that row's / this
     max_conns: Optional[int] = None
-    min_rate: Optional[float] = None  # messages per second
+    h2load: bool = False  # measured beside h2load: the same requests at the same concurrency
+    min_h2load_rate: Optional[float] = None  # msg/s at least this share of h2load's
+    max_h2load_cpu: Optional[float] = None  # CPU per message at most this times h2load's
     min_relay_headroom: Optional[float] = None  # msg/s / relay's CPU share, over the ideal
     module: str = ""  # what an import row imports, or a peer row needs
     max_ms: Optional[float] = None  # import rows
@@ -107,32 +122,35 @@ ROWS = [
         concurrency=700, base="ideal", min_relay_headroom=3.0),
     Row("threads-100", "threads", "push() from 100 threads, each after one push", count=4000,
         relayed=True, concurrency=100, warm=100, base="ideal", min_ratio=0.9, max_conns=2,
-        max_cpu=0.08),
+        max_cpu=0.10, h2load=True),
     Row("async-push-1000", "async-push", "asyncio: await push() from 1,000 tasks, after one each",
-        count=40_000, relayed=True, concurrency=1000, warm=1000, base="ideal", min_ratio=0.9,
-        max_cpu=0.05),
+        count=40_000, relayed=True, concurrency=1000, warm=1000, base="ideal", h2load=True,
+        min_h2load_rate=0.95, max_h2load_cpu=2.0),
     Row("many-100-new", "many", "push_many(concurrency=100), 10k on a new client",
-        count=10_000, relayed=True, concurrency=100, base="ideal"),
+        count=10_000, relayed=True, concurrency=100, base="ideal", h2load=True),
     Row("many-700-new", "many", "push_many(concurrency=700), 10k on a new client",
-        count=10_000, relayed=True, concurrency=700, base="ideal", min_ratio=0.8),
+        count=10_000, relayed=True, concurrency=700, base="ideal", h2load=True),
     Row("many-100-warm", "many", "push_many(concurrency=100), 10k after a warm-up batch",
-        count=10_000, relayed=True, concurrency=100, warm=100, base="ideal"),
+        count=10_000, relayed=True, concurrency=100, warm=100, base="ideal", h2load=True),
     Row("many-700-warm", "many", "push_many(concurrency=700), 10k after a warm-up batch",
-        count=10_000, relayed=True, concurrency=700, warm=700, base="ideal", min_ratio=0.88),
+        count=10_000, relayed=True, concurrency=700, warm=700, base="ideal", h2load=True),
     Row("many-700-x10", "many", "push_many(concurrency=700), 10 batches of 10k, one client",
-        count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", min_ratio=0.92,
-        max_cpu=0.025),
+        count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", h2load=True,
+        max_h2load_cpu=2.0),
+    Row("multicast-700-x10", "multicast", "push_multicast(concurrency=700), 10 x 10k tokens",
+        count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", h2load=True,
+        max_h2load_cpu=1.6),
     Row("async-many-700-new", "async-many", "asyncio: push_many(concurrency=700), 10k, new client",
-        count=10_000, relayed=True, concurrency=700, base="ideal"),
+        count=10_000, relayed=True, concurrency=700, base="ideal", h2load=True),
     Row("async-many-700-x10", "async-many", "asyncio: push_many(concurrency=700), 10 x 10k",
-        count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", min_ratio=0.9,
-        max_cpu=0.03, cpu_below=("fbadmin-async", 10.0)),
+        count=10_000, relayed=True, concurrency=700, batches=10, base="ideal", h2load=True,
+        max_h2load_cpu=2.0, cpu_below=("fbadmin-async", 10.0)),
     Row("many-direct", "many", "push_many(concurrency=100), no delay: client-bound",
-        count=50_000, concurrency=100, warm=100, min_rate=40_000),
+        count=50_000, concurrency=100, warm=100, h2load=True),
     Row("many-h1-100", "many", "push_many(concurrency=100), http2=False, new client", count=10_000,
-        relayed=True, http2=False, concurrency=100, base="ideal", min_ratio=0.9, max_cpu=0.10),
+        relayed=True, http2=False, concurrency=100, base="ideal", h2load=True),
     Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client", count=10_000,
-        relayed=True, http2=False, concurrency=200, base="ideal", min_ratio=0.9, max_cpu=0.10),
+        relayed=True, http2=False, concurrency=200, base="ideal", h2load=True),
     Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, http2=False,
         base="floor", module=PYFCM),
     Row("fbadmin-send", "fbadmin-send", "peer: firebase-admin messaging.send() sequential",
@@ -423,6 +441,7 @@ def relay(port: int, upstream_port: int, delay: float) -> None:
 MESSAGE = {"token": DEVICE_TOKEN,
            "notification": {"title": "Benchmark", "body": "andpush benchmark push"},
            "data": {"kind": "bench", "id": "0"}}
+TARGETLESS = {key: value for key, value in MESSAGE.items() if key != "token"}  #: multicast's
 
 
 def messages(count: int) -> Iterator[Dict[str, Any]]:
@@ -431,11 +450,18 @@ def messages(count: int) -> Iterator[Dict[str, Any]]:
         yield dict(MESSAGE, data={"kind": "bench", "id": str(number)})
 
 
+def device_tokens(count: int) -> Iterator[str]:
+    """``count`` distinct device tokens as long as MESSAGE's, made as they are read."""
+    for number in range(count):
+        yield "%s%07d" % (DEVICE_TOKEN[:-7], number)
+
+
 class Tally:
-    """What a row's pushes ended in: successes, failures, the first failure."""
+    """What a row's pushes ended in: successes, failures, the first failure; and how many
+    pushes the row asked for, so that one without an outcome shows as lost."""
 
     def __init__(self) -> None:
-        self.ok, self.failed, self.first_error = 0, 0, ""
+        self.ok, self.failed, self.first_error, self.asked = 0, 0, "", 0
 
     def add(self, outcome: object) -> None:
         if isinstance(outcome, Exception):
@@ -491,6 +517,7 @@ class RawConnection:
 def pipeline(connections: List[RawConnection], tally: Tally, count: int) -> None:
     """Send ``count`` requests over the connections, CEILING_DEPTH in flight on each."""
     each = count // len(connections)
+    tally.asked += each * len(connections)
     selector = selectors.DefaultSelector()
     for connection in connections:
         connection.sent = min(CEILING_DEPTH, each)
@@ -526,6 +553,7 @@ Work = Tuple[Callable[[Tally, int], None], Callable[[], object]]  # timed part, 
 def repeated(call: Callable[[], object]) -> Callable[[Tally, int], None]:
     """A sequential row's timed part: ``call`` as many times as it is told, tallied."""
     def work(tally: Tally, count: int) -> None:
+        tally.asked += count
         for _ in range(count):
             tally.call(call)
     return work
@@ -561,6 +589,7 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
                          ssl_context=ssl.create_default_context(cafile=cafile), http2=row.http2)
 
     def sequential(tally: Tally, count: int) -> None:
+        tally.asked += count
         for message in messages(count):
             tally.call(client.push, message)
 
@@ -570,14 +599,24 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
             list(pool.map(lambda part: sequential(part, count // row.concurrency), parts))
         for part in parts:
             tally.ok, tally.failed = tally.ok + part.ok, tally.failed + part.failed
+            tally.asked += part.asked
             tally.first_error = tally.first_error or part.first_error
 
     def many(tally: Tally, count: int, batches: int = row.batches) -> None:
         for _ in range(batches):
+            tally.asked += count
             for _, outcome in client.push_many(messages(count), concurrency=row.concurrency):
                 tally.add(outcome)
 
-    work = {"push": sequential, "threads": threads, "many": many}[row.kind]
+    def multicast(tally: Tally, count: int, batches: int = row.batches) -> None:
+        for _ in range(batches):
+            tally.asked += count
+            for _, outcome in client.push_multicast(TARGETLESS, device_tokens(count),
+                                                    concurrency=row.concurrency):
+                tally.add(outcome)
+
+    work = {"push": sequential, "threads": threads, "many": many, "multicast": multicast}[
+        row.kind]
     warm_up((lambda tally, count: many(tally, count, 1)) if row.kind == "many" else work,
             row.warm)
     return work, client.close
@@ -594,6 +633,7 @@ def setup_async(row: Row, port: int, cafile: str) -> Work:
                                ssl_context=ssl.create_default_context(cafile=cafile))
 
     async def task(tally: Tally, count: int) -> None:
+        tally.asked += count
         for message in messages(count):
             try:
                 tally.add(await client.push(message))
@@ -606,6 +646,7 @@ def setup_async(row: Row, port: int, cafile: str) -> Work:
 
     async def many(tally: Tally, count: int) -> None:
         for _ in range(row.batches):
+            tally.asked += count
             async for _, outcome in client.push_many(messages(count),
                                                      concurrency=row.concurrency):
                 tally.add(outcome)
@@ -666,6 +707,7 @@ def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
 
     def in_chunks(send_chunk: Callable[[List[Any]], Any]) -> Callable[[Tally, int], None]:
         def work(tally: Tally, count: int) -> None:
+            tally.asked += count
             for start_at in range(0, count, 500):
                 for response in send_chunk([message] * min(500, count - start_at)).responses:
                     tally.add(response.message_id if response.success else response.exception)
@@ -685,7 +727,8 @@ def setup_fbadmin(row: Row, port: int, cafile: str, rsa_key: str) -> Work:
 
 SETUPS: Dict[str, Callable[..., Work]] = {
     "floor": setup_floor, "ceiling": setup_ceiling, "push": setup_andpush,
-    "threads": setup_andpush, "many": setup_andpush, "pyfcm": setup_pyfcm,
+    "threads": setup_andpush, "many": setup_andpush, "multicast": setup_andpush,
+    "pyfcm": setup_pyfcm,
     "fbadmin-send": setup_fbadmin, "fbadmin-each": setup_fbadmin, "async-push": setup_async,
     "async-many": setup_async, "fbadmin-async": setup_fbadmin,
 }
@@ -710,6 +753,7 @@ def run_child(row: Row, port: int, cafile: str, rsa_key: str, quick: bool) -> Di
     for side, (_, clean_up) in sides.items():
         clean_up()
         report.update({side + "_ok": tallies[side].ok, side + "_failed": tallies[side].failed,
+                       side + "_asked": tallies[side].asked,
                        side + "_error": tallies[side].first_error})
     return report
 
@@ -727,16 +771,26 @@ class Setting:
     relay_pid: int
     log: str  # lines of "connection protocol path"
     certs: Dict[str, str]
+    folder: str  # the run's temporary folder
     rtt: float = 0.0
+    h2load: str = ""  # its path, "" when it is not installed
+    h2load_start_up: float = 0.0  # its CPU seconds before it connects
 
 
 @dataclass
 class Result:
     row: Row
-    cells: Tuple[str, ...] = ("-",) * 7  # server, proto, conns, msg/s, ratio, CPU/1k, srv/relay
-    cpu: Optional[float] = None  # seconds per 1,000 messages
-    checks: Tuple[Tuple[str, bool], ...] = ()  # (target, met)
+    figures: Dict[str, Any] = field(default_factory=dict)  # what --json prints of the row
+    checks: Tuple[Tuple[str, Optional[bool]], ...] = ()  # (target, met; None: not judged)
+    failure: str = ""  # why the row failed: it errored, lost messages, or h2load failed
     note: str = ""
+
+    @property
+    def met(self) -> str:
+        """The column ``met``: met, MISSED, not judged (a target needs h2load), - (none)."""
+        verdicts = [ok for _, ok in self.checks]
+        return ("-" if not verdicts else "MISSED" if False in verdicts else
+                "not judged" if None in verdicts else "met")
 
 
 def cpu_share(pid: int, before: Optional[float], seconds: float) -> Optional[float]:
@@ -744,8 +798,88 @@ def cpu_share(pid: int, before: Optional[float], seconds: float) -> Optional[flo
     return None if before is None or after is None else (after - before) / seconds
 
 
+# h2load, a client written in C, sends a bulk row's request (the same path, headers and body)
+# through the same nginx and relay, with the row's connections and streams, just after the row:
+# what a frugal client gets here, in the same run. It reports no CPU of its own: its user +
+# system time is this process's RUSAGE_CHILDREN across its run, less its start-up (an h2load
+# that finds no server), which a row's timed part does not pay either.
+
+H2LOAD_STARTS = 5  #: runs of h2load against no server whose median is its start-up CPU
+
+
+def children_cpu() -> float:
+    """User + system CPU seconds of this process's ended children, waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def h2load_start_up(h2load: str) -> float:
+    """h2load's CPU seconds before its first connection: a run against a port nobody serves."""
+    def one() -> float:
+        before = children_cpu()
+        subprocess.run([h2load, "-n", "1", "https://127.0.0.1:%d/" % free_port()],
+                       capture_output=True, timeout=START_DEADLINE)
+        return children_cpu() - before
+    return statistics.median(one() for _ in range(H2LOAD_STARTS))
+
+
+def h2load_command(row: Row, setting: Setting, count: int) -> List[str]:
+    """h2load's run for a row: its connections and streams (HTTP/2: 100 on each connection the
+    concurrency needs; HTTP/1.1: one request on each of concurrency connections), its warm-up
+    and all its batches in one run, andpush's request (body, access token, user agent)."""
+    import andpush  # the parent has it already: test_andpush imported it
+    connections = -(-row.concurrency // H2_STREAMS) if row.http2 else row.concurrency
+    body = os.path.join(setting.folder, "body.json")
+    with open(body, "wb") as f:
+        f.write(b'{"message":%s,"validate_only":false}'
+                % json.dumps(MESSAGE, separators=(",", ":")).encode())
+    return [setting.h2load, "-n", str(row.warm + count * row.batches), "-c", str(connections),
+            "-m", str(min(row.concurrency, H2_STREAMS) if row.http2 else 1), "-t", "1",
+            "-d", body, "-H", "authorization: Bearer bench-token",
+            "-H", "content-type: application/json", "-H", "user-agent: andpush/" +
+            andpush.__version__] + ["--h1"] * (not row.http2) + [
+            "--log-file=" + os.path.join(setting.folder, row.name + ".h2load")] * bool(row.warm) + [
+            "https://127.0.0.1:%d/v1/projects/%s/messages:send"
+            % (setting.relay_port if row.relayed else setting.port, PROJECT)]
+
+
+def steady_rate(log: str, warm: int) -> float:
+    """Requests a second after the first ``warm`` ended, from h2load's per-request log (start
+    in microseconds, status, microseconds to the end), as a row times after its warm-up."""
+    with open(log) as f:
+        ends = sorted(int(start) + int(took) for start, _, took in
+                      (line.split("\t")[:3] for line in f))
+    return (len(ends) - warm) / ((ends[-1] - ends[warm - 1]) / 1e6)
+
+
+def run_h2load(row: Row, setting: Setting, count: int) -> Dict[str, Any]:
+    """h2load's figures for a row (its rate as the row's is measured, its CPU per 1,000
+    requests), or {"error": why}."""
+    command = h2load_command(row, setting, count)
+    requests = row.warm + count * row.batches
+    before = children_cpu()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE)
+    except subprocess.TimeoutExpired:
+        return {"error": "h2load killed after %d s" % CHILD_DEADLINE}
+    cpu = children_cpu() - before - setting.h2load_start_up
+    answered = re.search(r"status codes: (\d+) 2xx", done.stdout)
+    protocol = re.search(r"Application protocol: (\S+)", done.stdout)
+    rate = re.search(r"finished in [^,]+, ([\d.]+) req/s", done.stdout)
+    if answered and int(answered.group(1)) != requests:
+        return {"error": "h2load: %s of %d requests answered 2xx" % (answered.group(1), requests)}
+    if done.returncode or not answered or not rate:
+        said = (done.stderr + done.stdout).strip().splitlines()
+        return {"error": "h2load: " + (said[-1] if said else "exit status %d" % done.returncode)}
+    if not protocol or protocol.group(1) != ("h2" if row.http2 else "http/1.1"):
+        return {"error": "h2load spoke %s" % (protocol and protocol.group(1))}
+    return {"command": shlex.join(command), "requests": requests,
+            "rate": steady_rate(command[-2][len("--log-file="):], row.warm) if row.warm
+            else float(rate.group(1)), "cpu_per_1k": 1000 * cpu / requests}
+
+
 def run_row(row: Row, setting: Setting, quick: bool) -> Result:
-    """Run a row in a child process and judge it against its targets."""
+    """Run a row in a child process (and h2load after it), judge it against its targets."""
     result = Result(row)
     if missing_package(row):
         result.note = "not installed (pip install %s)" % missing_package(row)
@@ -767,13 +901,13 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
         child = subprocess.run(command, capture_output=True, text=True, env=env, cwd=HERE,
                                timeout=CHILD_DEADLINE)
     except subprocess.TimeoutExpired:
-        result.note = "failed: killed after %d s" % CHILD_DEADLINE
+        result.failure = "killed after %d s" % CHILD_DEADLINE
         return result
     seconds = time.perf_counter() - started
     shares = cpu_share(setting.server_pid, before[0], seconds), (
         cpu_share(setting.relay_pid, before[1], seconds) if row.relayed else None)
     if child.returncode:
-        result.note = "failed: " + (child.stderr.strip().splitlines() or ["?"])[-1][:200]
+        result.failure = (child.stderr.strip().splitlines() or ["?"])[-1][:200]
         return result
     report = json.loads(child.stdout.strip().splitlines()[-1])
     with open(setting.log, "rb") as f:  # the row's pushes: not its floor's, nor tokens
@@ -783,33 +917,50 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
     protocols = collections.Counter(line[1] for line in lines)
     conns = len({line[0] for line in lines})
     rate = report["row_ok"] / report["row_seconds"]
-    result.cpu = 1000 * report["row_cpu"] / max(report["row_ok"] + report["row_failed"], 1)
+    cpu = 1000 * report["row_cpu"] / max(report["row_ok"] + report["row_failed"], 1)
     in_flight = min(row.concurrency, H2_STREAMS * conns) if row.http2 else row.concurrency
     base = (in_flight / setting.rtt if row.base == "ideal" else
             report["floor_ok"] / report["floor_seconds"] if row.base == "floor" else None)
-    result.cells = (setting.server, "+".join(
-        {"HTTP/2.0": "h2"}.get(p, p.lower()) + ("" if len(protocols) == 1 else " %d" % n)
-        for p, n in sorted(protocols.items())) or "-", str(conns), "{:,.0f}".format(rate),
-        "%.2f %s" % (rate / base, row.base) if base else "-", "%.3f" % result.cpu,
-        "/".join("-" if s is None else "%d%%" % (100 * s) for s in shares))
-    checks = [("all %s" % ("h2" if row.http2 else "http/1.1"), False)] * (
+    result.figures = {
+        "server": setting.server, "proto": {p: n for p, n in sorted(protocols.items())},
+        "conns": conns, "rate": rate, "ratio": rate / base if base else None,
+        "base": row.base or None, "cpu_per_1k": cpu, "server_share": shares[0],
+        "relay_share": shares[1]}
+    checks: List[Tuple[str, Optional[bool]]] = [
+        ("all %s" % ("h2" if row.http2 else "http/1.1"), False)] * (
         set(protocols) != {"HTTP/2.0" if row.http2 else "HTTP/1.1"})
     if base and row.min_ratio is not None:
         checks.append((">=%g %s" % (row.min_ratio, row.base), rate / base >= row.min_ratio))
     if row.max_conns is not None:
         checks.append(("conns<=%d" % row.max_conns, conns <= row.max_conns))
-    if row.min_rate is not None:
-        checks.append((">={:,.0f}/s".format(row.min_rate), rate >= row.min_rate))
     if row.max_cpu is not None:
-        checks.append(("CPU<=%g" % row.max_cpu, result.cpu <= row.max_cpu))
+        checks.append(("CPU<=%g" % row.max_cpu, cpu <= row.max_cpu))
     if base and row.min_relay_headroom is not None and shares[1]:  # the relay's capacity
         checks.append(("relay cap>=%gx ideal" % row.min_relay_headroom,
                        rate / shares[1] / base >= row.min_relay_headroom))
     for side in ("row", "floor"):
-        if report.get(side + "_failed"):
-            checks.append(("no failures", False))
-            result.note = "%d failed, first: %s" % (report[side + "_failed"],
-                                                     report[side + "_error"])
+        lost = report.get(side + "_asked", 0) - report.get(side + "_ok", 0) - report.get(
+            side + "_failed", 0)
+        if report.get(side + "_failed") or lost:
+            result.failure = "%s%d failed, %d without an outcome%s" % (
+                "its floor: " * (side == "floor"), report[side + "_failed"], lost,
+                ", first: " + report[side + "_error"] if report[side + "_error"] else "")
+    if row.h2load and setting.h2load:
+        print("running %s beside h2load ..." % row.name, file=sys.stderr, flush=True)
+        h2load = run_h2load(row, setting, row.count // QUICK_SHARE if quick else row.count)
+        result.figures["h2load"] = h2load
+        if "error" in h2load:
+            result.failure = result.failure or h2load["error"]
+        else:
+            result.figures.update(rate_vs_h2load=rate / h2load["rate"],
+                                  cpu_vs_h2load=cpu / h2load["cpu_per_1k"])
+    by_h2load = result.figures.get("rate_vs_h2load"), result.figures.get("cpu_vs_h2load")
+    if row.min_h2load_rate is not None:
+        checks.append((">=%g h2load" % row.min_h2load_rate,
+                       None if by_h2load[0] is None else by_h2load[0] >= row.min_h2load_rate))
+    if row.max_h2load_cpu is not None:
+        checks.append(("CPU<=%gx h2load" % row.max_h2load_cpu,
+                       None if by_h2load[1] is None else by_h2load[1] <= row.max_h2load_cpu))
     result.checks = tuple(checks)
     return result
 
@@ -819,9 +970,10 @@ def compare_cpu(results: Dict[str, Result]) -> None:
     for result in results.values():
         name, factor = result.row.cpu_below
         other = results.get(name)
-        if result.cpu is not None and other is not None and other.cpu is not None:
+        if name and "cpu_per_1k" in result.figures and other and "cpu_per_1k" in other.figures:
             result.checks += (("CPU<=%s's%s" % (name, "/%g" % factor if factor != 1 else ""),
-                               result.cpu <= other.cpu / factor),)
+                               result.figures["cpu_per_1k"]
+                               <= other.figures["cpu_per_1k"] / factor),)
 
 
 IMPORT_SNIPPET = ("import time; started = time.perf_counter(); import %s; "
@@ -829,35 +981,84 @@ IMPORT_SNIPPET = ("import time; started = time.perf_counter(); import %s; "
 
 
 def import_row(row: Row, result: Result) -> Result:
-    """The median time to import a module in a new interpreter, bytecode cached."""
+    """The median time to import a module in a new interpreter, bytecode cached: in a folder
+    of its own (PYTHONPYCACHEPREFIX), which the first import writes, so none is left behind."""
     command = [sys.executable, "-c", IMPORT_SNIPPET % row.module]
     environment = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    runs = [float(subprocess.run(command, capture_output=True, text=True, check=True, cwd=HERE,
-                                 env=environment).stdout)
-            for _ in range(IMPORT_SAMPLES + 1)][1:]  # the first writes the bytecode cache
+    with tempfile.TemporaryDirectory(prefix="andpush-bench-pycache-") as cache:
+        environment["PYTHONPYCACHEPREFIX"] = cache
+        runs = [float(subprocess.run(command, capture_output=True, text=True, check=True,
+                                     cwd=HERE, env=environment).stdout)
+                for _ in range(IMPORT_SAMPLES + 1)][1:]  # the first writes the cache
     milliseconds = 1000 * statistics.median(runs)
-    result.cells = ("-",) * 3 + ("%.1f ms" % milliseconds,) + ("-",) * 3
+    result.figures = {"import_ms": milliseconds}
     if row.max_ms is not None:
         result.checks = (("<=%g ms" % row.max_ms, milliseconds <= row.max_ms),)
     return result
 
 
 COLUMNS = ("row", "server", "proto", "conns", "msg/s", "ratio", "CPU/1k", "srv/relay",
-           "target", "met")
+           "h2load/s", "h2load CPU", "rate/h2", "CPU/h2", "target", "met")
+
+
+def cells(result: Result) -> Tuple[str, ...]:
+    """A result's cells of the table, from its figures ("-" where it has none)."""
+    figures, h2load = result.figures, result.figures.get("h2load") or {}
+    if "import_ms" in figures:
+        return ("-",) * 3 + ("%.1f ms" % figures["import_ms"],) + ("-",) * 7
+    if not figures:
+        return ("-",) * 11
+    proto = "+".join({"HTTP/2.0": "h2"}.get(p, p.lower()) + (
+        "" if len(figures["proto"]) == 1 else " %d" % n) for p, n in figures["proto"].items())
+    shares = (figures["server_share"], figures["relay_share"])
+    return (figures["server"], proto or "-", str(figures["conns"]),
+            "{:,.0f}".format(figures["rate"]),
+            "-" if figures["ratio"] is None else "%.2f %s" % (figures["ratio"], figures["base"]),
+            "%.3f" % figures["cpu_per_1k"],
+            "/".join("-" if s is None else "%d%%" % (100 * s) for s in shares),
+            "{:,.0f}".format(h2load["rate"]) if "rate" in h2load else "-",
+            "%.3f" % h2load["cpu_per_1k"] if "rate" in h2load else "-",
+            "%.2f" % figures["rate_vs_h2load"] if "rate_vs_h2load" in figures else "-",
+            "%.2fx" % figures["cpu_vs_h2load"] if "cpu_vs_h2load" in figures else "-")
+
+
+def missed(result: Result) -> str:
+    """Which of a row's targets were missed, when it has more than one."""
+    texts = [text for text, ok in result.checks if ok is False]
+    return " (%s)" % ", ".join(texts) if texts and len(result.checks) > 1 else ""
 
 
 def table(results: List[Result]) -> str:
-    rows = [COLUMNS] + [(r.row.name + " (50 ms)" * r.row.relayed,) + r.cells + (
-        " ".join(text for text, _ in r.checks) or "-",
-        ("met" if all(ok for _, ok in r.checks) else "MISSED") if r.checks else "-",
-    ) for r in results]
+    rows = [COLUMNS] + [(r.row.name + " (50 ms)" * r.row.relayed,) + cells(r) + (
+        " ".join(text for text, _ in r.checks) or "-", r.met + missed(r)) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) if 3 <= i <= 7 else cell.ljust(w)
+    lines = ["  ".join(cell.rjust(w) if 3 <= i <= 11 else cell.ljust(w)
                        for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]
-    notes = ["%s: %s%s" % (r.row.name, r.row.title, " -- " + r.note if r.note else "")
-             for r in results]
+    notes = ["%s: %s%s" % (r.row.name, r.row.title, "".join(
+        " -- " + text for text in (r.note, r.failure and "FAILED: " + r.failure) if text))
+        for r in results]
     return "\n".join(lines + [""] + notes)
+
+
+def verdict(results: List[Result], setting: Setting) -> str:
+    """The run's last line: whether anything failed, and what MISSED means."""
+    failed = [r.row.name for r in results if r.failure]
+    judged = [ok for r in results for _, ok in r.checks]
+    counts = "of %d targets %d met, %d MISSED%s" % (
+        len(judged), judged.count(True), judged.count(False), (
+        ", %d not judged (h2load is not installed: apt-get install nghttp2-client)"
+        % judged.count(None)) if None in judged else "")
+    meaning = ("MISSED means a speed or CPU target was not reached in this run on this machine "
+               "(targets are ratios to h2load, a C client, to the ideal or to a raw socket, "
+               "from the same run); it is not an error")
+    if setting.server == "own":
+        meaning += "; bench.py's own server stood in for nginx, so these figures do not count"
+    if failed:
+        return ("verdict: FAILED: %s errored or lost messages (their notes say how); %s. %s."
+                % (", ".join(failed), counts, meaning))
+    return ("verdict: OK: every row ran and every message got its outcome; %s. %s."
+            % (counts, meaning))
 
 
 def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
@@ -867,21 +1068,31 @@ def start_servers(folder: str, certs: Dict[str, str], own: bool) -> Setting:
     if server == "nginx":
         port, pid, log = start_nginx(nginx, folder, certs)
         print("server: nginx (%s, one worker), HTTP/2 and HTTP/1.1 on 127.0.0.1:%d"
-              % (nginx, port), flush=True)
+              % (nginx, port), file=sys.stderr, flush=True)
     else:
         port, log = free_port(), os.path.join(folder, OWN_LOG)
         pid = start(BENCH + ["--serve", str(port), folder], "the own server", port).pid
         print("NO NGINX%s: bench.py's own HTTP/1.1 server stands in; its figures do not count, "
               "the HTTP/2 rows are not measured (apt-get install nginx-light)"
-              % (" (--own-server)" if nginx else " installed"), flush=True)
+              % (" (--own-server)" if nginx else " installed"), file=sys.stderr, flush=True)
     relay_port = free_port()
     relay_process = start(BENCH + ["--relay", str(relay_port), str(port)], "the relay", relay_port)
-    setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs)
+    setting = Setting(server, port, relay_port, pid, relay_process.pid, log, certs, folder)
     probe = RawConnection(relay_port, certs["ca.pem"])
     setting.rtt = statistics.median(timeit.repeat(probe.exchange, repeat=RTT_SAMPLES, number=1))
     probe.sock.close()
     print("relay: %g ms each way; measured round trip %.1f ms (median of %d), the RTT of the "
-          "ideals" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES), flush=True)
+          "ideals" % (1000 * ONE_WAY_DELAY, 1000 * setting.rtt, RTT_SAMPLES), file=sys.stderr,
+          flush=True)
+    setting.h2load = shutil.which("h2load") or ""
+    if setting.h2load:
+        setting.h2load_start_up = h2load_start_up(setting.h2load)
+        print("h2load: %s beside the bulk rows (its start-up, %.1f ms of CPU, not counted)"
+              % (setting.h2load, 1000 * setting.h2load_start_up), file=sys.stderr, flush=True)
+    else:
+        print("NO H2LOAD: the bulk rows are not measured beside a C client and their targets "
+              "relative to it are not judged (apt-get install nghttp2-client)", file=sys.stderr,
+              flush=True)
     return setting
 
 
@@ -890,6 +1101,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smaller counts: a smoke run")
     parser.add_argument("--rows", help="comma-separated row names (or parts of names)")
     parser.add_argument("--list", action="store_true", help="list the rows and exit")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object (every row, its figures and targets)")
     parser.add_argument("--own-server", action="store_true",
                         help="use bench.py's own server even where nginx is installed")
     for hidden in ("--child", "--cafile", "--rsa-key"):  # what bench.py passes its helpers
@@ -914,8 +1127,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     wanted = args.rows.split(",") if args.rows else []
     rows = [row for row in ROWS if not wanted or any(w and w in row.name for w in wanted)]
     if args.list or not rows:
-        print("\n".join("%-15s %s" % (row.name, row.title) for row in ROWS))
+        print("\n".join("%-18s %s" % (row.name, row.title) for row in ROWS))
         return 0 if args.list else 2
+    if sys.dont_write_bytecode:  # python -B: the rows' children, the relay, write none either
+        os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the helpers stop
     started = time.perf_counter()
     try:
@@ -930,12 +1145,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     finally:
         stop_all()
-    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s; server: %s" % (
-        sys.version.split()[0], ssl.OPENSSL_VERSION, os.cpu_count() or 0, os.getloadavg()[0],
-        ", --quick" if args.quick else "", time.perf_counter() - started, setting.server + (
-            " (bench.py's own: these figures do not count)" * (setting.server == "own"))))
-    print(table(list(done.values())))
-    return 1 if any(r.note.startswith("failed") for r in done.values()) else 0
+    results = list(done.values())
+    status = 1 if any(r.failure for r in results) else 0
+    header = {"python": sys.version.split()[0], "openssl": ssl.OPENSSL_VERSION,
+              "cpus": os.cpu_count() or 0, "load": os.getloadavg()[0], "quick": args.quick,
+              "seconds": time.perf_counter() - started, "server": setting.server,
+              "round_trip_ms": 1000 * setting.rtt, "h2load": setting.h2load or None}
+    if args.json:
+        print(json.dumps(dict(header, rows=[dict(
+            name=r.row.name, title=r.row.title, relayed=r.row.relayed, **r.figures,
+            targets=[{"target": text, "met": ok} for text, ok in r.checks], met=r.met,
+            note=r.note, failure=r.failure) for r in results],
+            verdict=verdict(results, setting), exit_status=status), indent=1))
+        return status
+    print("andpush bench: Python %s, %s, %d CPUs, load %.1f%s; %.0f s; server: %s; h2load: %s"
+          % (header["python"], header["openssl"], header["cpus"], header["load"],
+             ", --quick" if args.quick else "", header["seconds"], setting.server + (
+                 " (bench.py's own: these figures do not count)" * (setting.server == "own")),
+             "beside the bulk rows" if setting.h2load else "not installed"))
+    print(table(results))
+    print(verdict(results, setting))
+    return status
 
 
 if __name__ == "__main__":
