@@ -2047,26 +2047,50 @@ def _connect(origin: _Origin, ssl_context: ssl.SSLContext,
     the TLS handshake (certificate and host name checked as ``ssl_context`` says).
 
     It blocks (for at most ``timeout`` per step), so the thread driver runs it on a thread of
-    its own; raises NetworkError when it fails.
+    its own; raises NetworkError when it fails, with the socket closed.
     """
-    import http.client  # only for connecting: TCP and CONNECT tunnels
-
-    if origin.proxy:
-        proxy_host, proxy_port, proxy_headers = origin.proxy
-        address = (proxy_host, proxy_port)
-    else:
-        address = (origin.host, origin.port)
-    conn = http.client.HTTPConnection(*address, timeout=timeout)
-    if origin.proxy:
-        conn.set_tunnel(origin.host, origin.port, headers=proxy_headers)
+    address = origin.proxy[:2] if origin.proxy else (origin.host, origin.port)
+    sock = None
     try:
-        conn.connect()
-        sock = conn.sock
-        conn.sock = None
+        sock = socket.create_connection(address, timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if origin.proxy:
+            sock.sendall(_tunnel_request(origin, origin.proxy[2]))
+            head = b""
+            while not _tunnel_answered(head):
+                data = sock.recv(_MAX_HEAD)
+                if not data:
+                    raise ConnectionResetError("the proxy closed the connection")
+                head += data
         return _TLSSocket(sock, ssl_context, origin.host) if origin.scheme == "https" else sock
-    except (OSError, http.client.HTTPException) as exc:
-        conn.close()
+    except (OSError, _ProtocolError) as exc:
+        if sock is not None:
+            sock.close()
         raise _connect_error(origin, exc, timeout, isinstance(exc, socket.timeout)) from exc
+
+
+def _tunnel_request(origin: _Origin, headers: Dict[str, str]) -> bytes:
+    """The CONNECT request that asks a proxy for a tunnel to ``origin``."""
+    lines = ["CONNECT %s:%d HTTP/1.1" % (origin.host, origin.port),
+             "Host: %s:%d" % (origin.host, origin.port)]
+    lines += ["%s: %s" % item for item in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _tunnel_answered(head: bytes) -> bool:
+    """Whether ``head``, what the proxy sent so far, is its whole answer: True if it opened
+    the tunnel, False if more is to come; _ProtocolError if it refused (or broke HTTP)."""
+    end = head.find(b"\r\n\r\n")
+    if end < 0:
+        if len(head) > _MAX_HEAD:
+            raise _ProtocolError("the proxy's answer is too long")
+        return False
+    if end + 4 != len(head):  # the server speaks only after our TLS ClientHello
+        raise _ProtocolError("the proxy sent more than its answer")
+    _, status, reason = _parse_status_line(head.split(b"\r\n", 1)[0].decode("latin-1"))
+    if status != 200:
+        raise _ProtocolError("the proxy refused the tunnel: %d %s" % (status, reason))
+    return True
 
 
 # How to change the timeouts, for the errors that say one ran out.
@@ -3739,7 +3763,7 @@ class _Carrier:
         self._link: Optional[_Link] = None
         self._early: List[bytes] = []         # what came before the engine took the link
         self._lost: Optional[str] = None
-        self._head: Optional["asyncio.Future[bytes]"] = None  # a CONNECT's answer
+        self._head: Optional["asyncio.Future[bytes]"] = None  # a CONNECT's answer came
         self.lost = _new_future()  # resolved by connection_lost
 
     def attach(self, link: _Link) -> None:
@@ -3756,14 +3780,8 @@ class _Carrier:
         """Ask the proxy for a tunnel to ``origin``; _ProtocolError if it refuses."""
         assert self._engine._event_loop is not None
         self._head = self._engine._event_loop.create_future()
-        lines = ["CONNECT %s:%d HTTP/1.1" % (origin.host, origin.port),
-                 "Host: %s:%d" % (origin.host, origin.port)]
-        lines += ["%s: %s" % item for item in headers.items()]
-        self.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
-        head = await self._head
-        _, status, reason = _parse_status_line(head.split(b"\r\n", 1)[0].decode("latin-1"))
-        if status != 200:
-            raise _ProtocolError("the proxy refused the tunnel: %d %s" % (status, reason))
+        self.transport.write(_tunnel_request(origin, headers))
+        await self._head
 
     # asyncio's protocol methods ------------------------------------------------------
 
@@ -3774,12 +3792,12 @@ class _Carrier:
     def data_received(self, data: bytes) -> None:
         if self._head is not None and not self._head.done():
             self._early.append(data)
-            head = b"".join(self._early)
-            if b"\r\n\r\n" in head:
-                self._early = []
-                self._head.set_result(head)
-            elif len(head) > _MAX_HEAD:
-                self._head.set_exception(_ProtocolError("the proxy's answer is too long"))
+            try:
+                if _tunnel_answered(b"".join(self._early)):
+                    self._early = []
+                    self._head.set_result(b"")
+            except _ProtocolError as exc:
+                self._head.set_exception(exc)
             return
         link = self._link
         if link is None:
