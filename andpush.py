@@ -5899,12 +5899,14 @@ class Client:
         ``messages`` is read lazily, on a thread of its own, so the pairs always cover the
         messages read so far, a prefix of the input.
 
-        Stopping early keeps the record of what was sent. ``close()`` on the Outcomes
-        stops reading and returns the pairs not yet yielded, after every message already
-        read has been sent and answered (each within the request timeout); ``stop()``
-        stops reading and lets the iteration go on to the last of them. After an
-        exception in the caller's for loop (Ctrl-C too), either still gives the rest.
-        Dropping the Outcomes stops reading and starts nothing more, without waiting; its
+        Stopping early sends nothing more and keeps the record of what was sent.
+        ``close()`` on the Outcomes stops reading and returns the pairs not yet yielded,
+        once the messages on the wire are answered (each within the read timeout);
+        ``stop()`` stops reading and lets the iteration go on to the last of them. Either
+        way a message read and not yet sent ends "not sent" (a NetworkError with
+        ``may_have_been_delivered`` False), and one waiting for a retry with its last
+        error. After an exception in the caller's for loop (Ctrl-C too), either still
+        gives the rest. Dropping the Outcomes does the same, without waiting; its
         ``success_count`` and ``failure_count`` count the pairs given so far.
 
         Over HTTP/2 the messages share the client's connections, up to each server's
@@ -5983,10 +5985,11 @@ class Outcomes(Generic[Item]):
     """What push_many and push_multicast return: a ``(message, outcome)`` pair per message
     (``(token, outcome)`` for push_multicast), in input order, as the engine ends them.
 
-    ``close()`` stops reading the input and returns the pairs not yet yielded, once every
-    message already read has been sent and answered; ``stop()`` stops reading and lets the
-    iteration go on to the last of them. Dropping it stops reading and sends nothing more,
-    without waiting: nobody is left to receive those outcomes. ``success_count`` and
+    ``close()`` stops reading the input and returns the pairs not yet yielded, once those
+    on the wire are answered; ``stop()`` stops reading and lets the iteration go on to the
+    last of them; neither sends anything more (what was read and not sent ends "not
+    sent"). Dropping it does the same, without waiting: nobody is left to receive those
+    outcomes. ``success_count`` and
     ``failure_count`` count the pairs given so far, by the loop and by ``close()``: once
     both are done, every message's.
     """
@@ -6021,12 +6024,13 @@ class Outcomes(Generic[Item]):
         return self._batch.taken()
 
     def stop(self) -> None:
-        """Read no more messages; the iteration ends after the last one already read."""
+        """Read and send no more messages; the iteration ends after the last one read."""
         self._batch.stop()
 
     def close(self) -> List[Tuple[Item, Outcome]]:
-        """Read no more messages, and return the pairs not yet yielded: those of every
-        message already read, each sent and answered (within the request timeout)."""
+        """Read and send no more messages, and return the pairs not yet yielded, one per
+        message read: those on the wire once answered (within the read timeout), the
+        others "not sent"."""
         self._batch.stop()
         return _counted(self._batch.rest(), self._counts)
 
@@ -6100,9 +6104,9 @@ class AsyncClient:
 
         ``messages`` is an iterable (read in the event loop, so it must not block) or an
         async iterable. ``await outcomes.aclose()`` stops reading and returns the pairs
-        not yet yielded, once each message read has been answered; ``stop()`` stops
-        reading and lets the iteration go on to the last of them. Cancelling the task
-        that iterates, or dropping the iterator, stops reading and sends nothing more.
+        not yet yielded, once those on the wire are answered; ``stop()`` stops reading
+        and lets the iteration go on to the last of them; neither sends anything more.
+        Cancelling the task that iterates, or dropping the iterator, does the same.
         """
         make = self._requests.for_each(messages, concurrency)
         return self._batch(messages, make, concurrency, progress)
@@ -6190,9 +6194,9 @@ class AsyncOutcomes(Generic[Item]):
     input order, with the counts of Outcomes.
 
     ``await aclose()`` stops reading the input and returns the pairs not yet yielded,
-    once every message already read has been answered; ``stop()`` stops reading and lets
-    the iteration go on to the last of them. Cancelling the consumer, or dropping the
-    iterator, stops reading and sends nothing more.
+    once those on the wire are answered; ``stop()`` stops reading and lets the iteration
+    go on to the last of them; neither sends anything more (what was read and not sent
+    ends "not sent"). Cancelling the consumer, or dropping the iterator, does the same.
     """
 
     __slots__ = ("_batch", "_counts")
@@ -6225,12 +6229,13 @@ class AsyncOutcomes(Generic[Item]):
         return self._batch.taken()
 
     def stop(self) -> None:
-        """Read no more messages; the iteration ends after the last one already read."""
+        """Read and send no more messages; the iteration ends after the last one read."""
         self._batch.stop()
 
     async def aclose(self) -> List[Tuple[Item, Outcome]]:
-        """Read no more messages, and return the pairs not yet yielded: those of every
-        message already read, each sent and answered (within the request timeout)."""
+        """Read and send no more messages, and return the pairs not yet yielded, one per
+        message read: those on the wire once answered (within the read timeout), the
+        others "not sent"."""
         self._batch.stop()
         return _counted(await self._batch.rest(), self._counts)
 
@@ -6507,8 +6512,8 @@ def _parser() -> "argparse.ArgumentParser":
     many = command("send-many", "send one message to many device tokens, or many messages",
                    "Send the same message to every device token of a file (--tokens), or "
                    "every message of a file (--messages), many at once. Progress and a "
-                   "summary go to stderr. Ctrl-C or SIGTERM stops cleanly: no more tokens are "
-                   "taken, every message already sent is answered and recorded, the summary "
+                   "summary go to stderr. Ctrl-C or SIGTERM stops cleanly: nothing more is "
+                   "sent, every message already sent is answered and recorded, the summary "
                    "says how many were sent, failed and not sent, and the exit status is 130 "
                    "(143 for SIGTERM). A second one ends at once, saying how many outcomes "
                    "are unknown.")
@@ -7146,9 +7151,9 @@ class _SecondSignal(BaseException):
 
 
 class _StopOnSignals:
-    """While send-many records outcomes, SIGINT and SIGTERM alike stop the taking of tokens:
-    the first one stops push_many's reading (what was taken is still sent, answered and
-    recorded); a second one raises _SecondSignal. Signals ignored when the command started
+    """While send-many records outcomes, SIGINT and SIGTERM alike stop the run: the first
+    one stops push_many (nothing more is sent; what was sent is answered and recorded); a
+    second one raises _SecondSignal. Signals ignored when the command started
     (nohup, a background job) stay ignored; off the main thread nothing is changed."""
 
     def __init__(self, outcomes: "Outcomes[Any]") -> None:
