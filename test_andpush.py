@@ -9420,6 +9420,7 @@ class AsyncFakeClockTest(AsyncTestCase):
 SIM_START = 1_000_000.0      # the simulated clock at the start of a run
 SIM_HORIZON = 5_000.0        # simulated seconds after which a run counts as hung
 SIM_TURNS_AT_ONCE = 500      # engine turns at one simulated instant that count as a busy loop
+SIM_TURNS_PER_SECOND = 100   # engine turns a run may take a simulated second, and 100 more
 SIM_FCM = "fcm.sim"
 SIM_OAUTH = "oauth.sim"
 SIM_PROJECT = "sim-project"
@@ -9443,6 +9444,7 @@ class SimWorld:
         self.problems: List[str] = []
         self._instant = SIM_START
         self._turns_now = 0
+        self.turns = 0  # engine turns in all
         self.aborted = False  # after a SimAbort: the event loop only winds down
         self.trace: Optional[List[str]] = None
 
@@ -9481,6 +9483,7 @@ class SimWorld:
 
     def turn(self) -> None:
         """The engine took a turn: too many at one instant is a busy loop."""
+        self.turns += 1
         if self.now != self._instant:
             self._instant, self._turns_now = self.now, 0
         self._turns_now += 1
@@ -10977,6 +10980,9 @@ class SimRun:
             if wasted > most:
                 problem("%d connections to %s carried no answer (at most %d in %.0f s)"
                         % (wasted, server.kind, most, duration))
+        most = SIM_TURNS_PER_SECOND * (1 + duration)
+        if self.world.turns > most:  # a busy loop spread over time
+            problem("%d engine turns in %.1f s (at most %d)" % (self.world.turns, duration, most))
         self._check_nothing_left()
 
     def _check_nothing_left(self) -> None:
@@ -11072,6 +11078,7 @@ class SimulationTest(unittest.TestCase):
     def test_an_engine_broken_on_purpose_is_found_within_a_few_seeds(self) -> None:
         """The harness looks: each of these faults of the engine breaks an invariant."""
         retryable = andpush._Retry._retryable
+        timeout = andpush._Engine._timeout
         table = {
             "a request that may have been delivered is sent again": (
                 andpush._Retry, "_retryable",
@@ -11084,6 +11091,9 @@ class SimulationTest(unittest.TestCase):
                 property(lambda conn: 100 - len(conn.streams) if conn.state == "OPEN" else 0)),
             "a request waiting to go out has no deadline": (
                 andpush._Engine, "_expire_waiting", lambda engine, route, now: None),
+            "the driver is woken every 2 ms for nothing": (
+                andpush._Engine, "_timeout", lambda engine, now: min(timeout(engine, now) or 1,
+                                                                     0.002)),
         }
         for name, (owner, attribute, broken) in table.items():
             with self.subTest(name), unittest.mock.patch.object(owner, attribute, broken):
