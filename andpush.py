@@ -19,6 +19,12 @@ takes a kept-alive connection of its own. ``andpush.new_async`` makes the same c
 for asyncio, with no thread. The OAuth2 tokens of the HTTP v1 API are signed in pure
 Python.
 
+Every call ends within a bound its options give, whatever the server does: each try goes
+out within the connect timeout and ends within the connect and read timeouts together;
+there are at most ``max_retries + 1`` of them (one more after a refreshed access token),
+with a backoff and the 429 pause, each at most 120 s, between them. A connection that
+fails holds off new ones to its server, doubling up to 30 s.
+
 ``andpush.new(server_key)`` makes a client of the legacy API instead
 (``andpush.build`` is another name for ``new``).
 
