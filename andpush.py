@@ -20,7 +20,8 @@ for asyncio, with no thread. The OAuth2 tokens of the HTTP v1 API are signed in 
 Python.
 
 ``andpush.new(server_key)`` makes a client of the legacy API instead
-(``andpush.build`` is another name for ``new``).
+(``andpush.build`` is another name for ``new``). ``andpush.FakeFCM()`` is a local FCM
+for tests, and ``python -m andpush fake-fcm`` the same for tests in other languages.
 
 The life of a connection (each edge is what moves it)::
 
@@ -85,6 +86,7 @@ __all__ = [  # what help(andpush) shows: ``build``, an alias of ``new``, is left
     "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
     "QuotaExceededError", "ThirdPartyAuthError", "UnauthenticatedError",
     "PermissionDeniedError", "InternalError", "UnavailableError",
+    "FakeFCM", "ReceivedMessage",
 ]
 
 log = logging.getLogger("andpush")
@@ -5668,10 +5670,8 @@ E0BcxHSEo2itmcKr7LPD7yJlIQ==
 """
 _FAKE_KEY_ID = "fake-key-1"
 _FAKE_PROJECT = "fake-project"
-#: The access token every FakeFCM takes, for clients that skip the OAuth2 round trip (curl).
-FAKE_ACCESS_TOKEN = "fake-access-token"
-#: The legacy API's server key every FakeFCM takes.
-FAKE_SERVER_KEY = "fake-server-key"
+_FAKE_ACCESS_TOKEN = "fake-access-token"  # taken without an OAuth2 round trip (curl)
+_FAKE_SERVER_KEY = "fake-server-key"
 _FAKE_PROJECT_ID = r"[a-z][a-z0-9\-]{2,61}[a-z0-9]\Z"  # Google's rule, a little looser
 _FAKE_RECORDED = 10000       # messages a FakeFCM remembers by default: the newest ones
 _FAKE_STREAMS = 100          # HTTP/2 streams at once per connection, as Google's front end
@@ -6369,7 +6369,7 @@ def _fake_server_context(alpn: Tuple[str, ...]) -> ssl.SSLContext:
     return context
 
 
-_FAKE_CONTEXTS: Dict[Tuple[str, ...], ssl.SSLContext] = {}
+_FAKE_CONTEXTS = {}  # type: Dict[Tuple[str, ...], ssl.SSLContext]
 
 
 class ReceivedMessage:
@@ -6489,8 +6489,8 @@ class FakeFCM:
     ``endpoint`` is https://, and http:// works too. It checks a v1 message as FCM does
     (andpush's own checks, the ones ``push()`` makes before sending) and answers FCM's
     error envelope for what they refuse; bearer tokens must come from its token endpoint
-    (which checks the JWT of its service account, as Google does) or be FAKE_ACCESS_TOKEN;
-    the legacy API takes FAKE_SERVER_KEY. Over HTTP/2 it allows 100 streams at once per
+    (which checks the JWT of its service account, as Google does) or be ``access_token``;
+    the legacy API takes ``server_key``. Over HTTP/2 it allows 100 streams at once per
     connection and ends the connection on one more, and idle connections are closed after
     ``idle_timeout`` seconds (with a GOAWAY over HTTP/2), as Google's front end does.
 
@@ -6506,6 +6506,10 @@ class FakeFCM:
         _check_number("port", port, minimum=0, integer=True)
         _check_number("max_recorded", max_recorded, minimum=1, integer=True)
         self.project_id = project_id
+        #: An access token the fake takes without the OAuth2 round trip, as for curl.
+        self.access_token = _FAKE_ACCESS_TOKEN
+        #: The legacy API's server key the fake takes.
+        self.server_key = _FAKE_SERVER_KEY
         #: Messages a second above which sends are answered 429 QUOTA_EXCEEDED (None: no
         #: limit), as FCM's project quota does.
         self.quota: Optional[int] = None
@@ -6774,7 +6778,7 @@ class FakeFCM:
         """UNAUTHENTICATED for a request without an access token the fake gave out."""
         authorization = request.headers.get("authorization", "")
         token = authorization[7:] if authorization[:7].lower() == "bearer " else ""
-        if token == FAKE_ACCESS_TOKEN:
+        if token == self.access_token:
             return None
         with self._lock:
             expires = self._access_tokens.get(token)
@@ -6925,9 +6929,8 @@ class FakeFCM:
     # The legacy API.
 
     def _legacy_send(self, request: _FakeRequest) -> _FakeAnswer:
-        if request.headers.get("authorization", "") != "key=" + FAKE_SERVER_KEY:
-            return _text_answer(401, "Unauthorized: the server key is not the fake's "
-                                "(FAKE_SERVER_KEY)\n")
+        if request.headers.get("authorization", "") != "key=" + self.server_key:
+            return _text_answer(401, "Unauthorized: the server key is not the fake's\n")
         try:
             message = json.loads(request.body)
         except ValueError:
@@ -7520,6 +7523,20 @@ def _parser() -> "argparse.ArgumentParser":
                     "FCM refused --token; 77: they do not; 75: FCM could not be reached.")
     check.add_argument("--token", help="a device token to validate the test message for")
     check.set_defaults(run=_cmd_check)
+
+    fake = command("fake-fcm", "run a fake FCM here, for tests in any language", "Run "
+                   "andpush's fake FCM in the foreground until Ctrl-C or SIGTERM: FCM's v1 and "
+                   "legacy sends, topic management and Google's token endpoint, over HTTP/1.1 "
+                   "and HTTP/2, on 127.0.0.1 with TLS (https://, its own CA) or without "
+                   "(http://). It says where it is on stderr (the endpoint, its CA file, a "
+                   "service account key file whose token_uri it serves, an access token it "
+                   "takes), then prints one JSON line per message it receives on stdout. "
+                   "--project-id names its project (default: " + _FAKE_PROJECT + ").")
+    fake.add_argument("--port", metavar="N", type=_whole_number, default=0,
+                      help="the port to listen on (default: a free one)")
+    fake.add_argument("-q", "--quiet", action="store_true",
+                      help="print no line per message")
+    fake.set_defaults(run=_cmd_fake_fcm)
     for sub in every_command:
         _add_global_options(sub, defaults=False)
     return parser
@@ -7562,6 +7579,9 @@ def _add_global_options(parser: "argparse.ArgumentParser", defaults: bool) -> No
     group.add_argument("--proxy", metavar="URL", default=default(None),
                        help="connect through this http://[user:pass@]host:port proxy "
                        "(default: HTTPS_PROXY and NO_PROXY; '' for none)")
+    group.add_argument("--fake", action="store_true", default=default(False),
+                       help="send to a fake FCM started inside this command: no credentials, "
+                       "nothing leaves the machine (see the fake-fcm command)")
     group.add_argument("-v", "--verbose", action="store_true", default=default(False),
                        help="log what andpush does, and show tracebacks, on stderr")
 
@@ -7635,7 +7655,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return _EXIT_USAGE
-        status = int(args.run(args))
+        with contextlib.ExitStack() as stack:
+            if args.fake:
+                _refuse_options(args, "--fake sends to a fake FCM of its own", "fake")
+                args.fake_fcm = stack.enter_context(FakeFCM(args.project_id or _FAKE_PROJECT))
+            status = int(args.run(args))
         sys.stdout.flush()  # a closed pipe shows here, while it can still be handled
         return status
     except SystemExit as exc:  # --help and --version
@@ -7759,6 +7783,9 @@ def _explain(error: BaseException) -> str:
 
 def _client(args: "argparse.Namespace", rate_limit: Optional[float] = None) -> Client:
     """The client the global options describe (legacy when given a server key)."""
+    if args.fake:
+        return cast(FakeFCM, args.fake_fcm).client(
+            timeout=args.timeout, max_retries=args.max_retries, rate_limit=rate_limit)
     server_key = args.server_key
     if server_key is not None and args.credentials is not None:
         raise _Failure("give --credentials or --server-key, not both")
@@ -7779,6 +7806,25 @@ def _client(args: "argparse.Namespace", rate_limit: Optional[float] = None) -> C
         )
     except (TypeError, ValueError) as exc:
         raise _Failure(_about_option(str(exc), args)) from None
+
+
+# The options that say where FCM is and how to reach it, and how to tell they were given.
+_WHERE_OPTIONS = (
+    ("--credentials", lambda args: args.credentials is not None),
+    ("--server-key", lambda args: args.server_key is not None),
+    ("--endpoint", lambda args: args.endpoint != DEFAULT_ENDPOINT),
+    ("--cafile", lambda args: args.cafile is not None),
+    ("--proxy", lambda args: args.proxy is not None),
+    ("--fake", lambda args: args.fake),
+)
+
+
+def _refuse_options(args: "argparse.Namespace", reason: str, *allowed: str) -> None:
+    """Fail when an option saying where FCM is was given where it means nothing."""
+    given = [name for name, present in _WHERE_OPTIONS
+             if present(args) and name.lstrip("-") not in allowed]
+    if given:
+        raise _Failure("%s: leave out %s" % (reason, " and ".join(given)))
 
 
 def _about_option(message: str, args: "argparse.Namespace") -> str:
@@ -8164,6 +8210,65 @@ def _cmd_check(args: "argparse.Namespace") -> int:
     print("test message  ok: FCM validated it (validate_only: nothing was delivered)")
     print("The credentials and project work.")
     return _EXIT_OK
+
+
+def _cmd_fake_fcm(args: "argparse.Namespace") -> int:
+    import signal
+
+    _refuse_options(args, "fake-fcm is the fake FCM itself")
+    fcm = FakeFCM(args.project_id or _FAKE_PROJECT, port=args.port)
+    stopped: List[int] = []  # the signal that stops it, or 0 when stdout's reader left
+    done = threading.Event()
+
+    def log_message(received: ReceivedMessage) -> None:
+        try:
+            print(_message_line(received), flush=True)
+        except (OSError, ValueError):  # stdout's reader went away (| head)
+            fcm._on_message = None
+            stopped.append(0)
+            done.set()
+
+    def stop(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        done.set()
+
+    if not args.quiet:
+        fcm._on_message = log_message
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, stop) for signum in _SIGNAL_WORDS}
+    try:
+        with fcm:
+            _say("fake FCM for project %s at %s (plain HTTP: %s)" % (
+                fcm.project_id, fcm.endpoint, "http://127.0.0.1:%d" % fcm.port))
+            _say("CA file: %s" % fcm.ca_file)
+            _say("service account key file: %s" % fcm.service_account_file)
+            _say("access token: %s, legacy server key: %s" % (fcm.access_token, fcm.server_key))
+            _say("one JSON line per message on stdout; Ctrl-C stops" if not args.quiet
+                 else "Ctrl-C stops")
+            while not done.wait(3600):
+                pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    counts = fcm.counts
+    _say("stopped: %s messages received, %s delivered, %s connections" % (
+        _number(counts["messages"]), _number(counts["delivered"]),
+        _number(counts["connections"])))
+    if stopped and stopped[0] == 0:
+        _discard_stdout()
+        return _EXIT_CLOSED_OUTPUT
+    return _EXIT_OK
+
+
+def _message_line(received: ReceivedMessage) -> str:
+    """fake-fcm's line for a message it received: when, how, what it answered, the message."""
+    return json.dumps({
+        "time": round(received.time, 6), "api": received.api, "protocol": received.protocol,
+        "connection": received.connection, "validate_only": received.validate_only,
+        "status": received.status, "error": received.error, "name": received.name,
+        "tokens": list(received.tokens), "message": received.message,
+    }, ensure_ascii=False)
 
 
 # send-many's progress display and summary.

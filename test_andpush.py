@@ -5055,7 +5055,7 @@ class ReadmeExamplesTest(unittest.TestCase):
 class ManualTest(unittest.TestCase):
     """help(andpush) reads as a manual: the usage first, public names only, attributes told."""
 
-    MAX_LINES = 1700  # about 1,450 today, most of it what pydoc shows of every Exception
+    MAX_LINES = 1900  # about 1,830 today, most of it what pydoc shows of every Exception
     PRIVATE_NAME = re.compile(r"(?<![\w.])_[A-Za-z]\w*|andpush\._\w+")
 
     def manual(self) -> str:
@@ -5065,11 +5065,12 @@ class ManualTest(unittest.TestCase):
         self.assertLess(len(self.manual().splitlines()), self.MAX_LINES)
 
     def test_it_shows_no_private_names(self) -> None:
-        # The clients' constructors are wiring that new() and new_async() do: their
-        # parameters are internal types.
+        # The clients' constructors are wiring that new() and new_async() do, and a
+        # ReceivedMessage's the fake's: their parameters are internal types.
         wiring = set(self.PRIVATE_NAME.findall(
             str(inspect.signature(andpush.Client.__init__))
-            + str(inspect.signature(andpush.AsyncClient.__init__))))
+            + str(inspect.signature(andpush.AsyncClient.__init__))
+            + str(inspect.signature(andpush.ReceivedMessage.__init__))))
         self.assertEqual(set(self.PRIVATE_NAME.findall(self.manual())) - wiring, set())
 
     def test_it_lists_only_the_public_names_once_each(self) -> None:
