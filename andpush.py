@@ -6088,7 +6088,7 @@ class _FakeH2:
             self.abort(_H2Error("a stream too many", _PROTOCOL_ERROR),
                        b"exceeded_max_concurrent_streams")
         self._highest = stream_id
-        if self.last_stream_id is not None:
+        if self.last_stream_id is not None and stream_id > self.last_stream_id:
             return  # opened after a GOAWAY: not processed, as the client knows
         stream = self.streams[stream_id] = _FakeStream(stream_id, fields,
                                                        self._peer_initial_window)
@@ -6101,14 +6101,11 @@ class _FakeH2:
         self._window -= size
         if self._window < 0:
             raise _H2Error("DATA beyond the connection's window", _FLOW_CONTROL_ERROR)
-        if self._window <= _FAKE_WINDOW // 2:
-            self.outgoing += _frame(_WINDOW_UPDATE, 0, 0,
-                                    (_FAKE_WINDOW - self._window).to_bytes(4, "big"))
-            self._window = _FAKE_WINDOW
         stream = self.streams.get(stream_id)
         if stream is None or stream.read:
             if stream_id == 0 or stream_id > self._highest:
                 raise _H2Error("DATA on a stream that was never opened")
+            self._replenish(None)
             return  # a stream answered early, reset, or beyond our GOAWAY
         stream.window -= size
         if stream.window < 0:
@@ -6119,10 +6116,22 @@ class _FakeH2:
         if len(stream.body) > _FAKE_MAX_BODY:  # answered at once; the rest is dropped
             self.answer(_FakeRequest("", "", {}, b"", self.protocol, self.connection, stream_id),
                         413, _TEXT_HEADERS, b"fake FCM: the request body is too large\n")
+            self._replenish(None)
         elif flags & _END_STREAM:
             self._read(stream, done)
-        elif stream.window <= _FAKE_WINDOW // 2:
-            self.outgoing += _frame(_WINDOW_UPDATE, 0, stream_id,
+            self._replenish(None)
+        else:
+            self._replenish(stream)
+
+    def _replenish(self, stream: Optional[_FakeStream]) -> None:
+        """Give the client its windows back once it has used half of one: the connection's,
+        and that of ``stream``, which goes on sending."""
+        if self._window <= _FAKE_WINDOW // 2:
+            self.outgoing += _frame(_WINDOW_UPDATE, 0, 0,
+                                    (_FAKE_WINDOW - self._window).to_bytes(4, "big"))
+            self._window = _FAKE_WINDOW
+        if stream is not None and stream.window <= _FAKE_WINDOW // 2:
+            self.outgoing += _frame(_WINDOW_UPDATE, 0, stream.id,
                                     (_FAKE_WINDOW - stream.window).to_bytes(4, "big"))
             stream.window = _FAKE_WINDOW
 
@@ -7236,6 +7245,9 @@ class FakeFCM:
     def _dispatch(self, link: _FakeLink, request: _FakeRequest) -> None:
         """Answer a request that was read whole: now, later, never, or by dropping the
         connection, as FCM's answer (or a script) says."""
+        protocol = link.protocol
+        if isinstance(protocol, _FakeH2) and request.stream not in protocol.streams:
+            return  # read with others, then beyond a GOAWAY: not processed
         try:
             answer = self._answer(request)
         except Exception:  # noqa: BLE001 (a bug of the fake's: kept, and a 500)
