@@ -27,6 +27,7 @@ import os
 import pathlib
 import pickle
 import pydoc
+import queue
 import random
 import re
 import selectors
@@ -4919,6 +4920,361 @@ class RetryTest(V1TestCase):
         self.assertEqual(len(clock.sleeps), 9)
 
 
+# The shipped fake FCM, as a user's tests use it ##############################################
+# andpush.FakeFCM itself, not the subclass above: what FCM answers, what a test scripts, what
+# it records, and HTTP as Google's front end speaks it.
+
+def fake_post(fcm: andpush.FakeFCM, path: str, body: Any, token: Optional[str] = None,
+              plain: bool = False, method: str = "POST") -> Tuple[int, Dict[str, str], Any]:
+    """One HTTP/1.1 request to the fake, not through andpush: status, headers, JSON (or text)."""
+    import http.client
+
+    if plain:
+        conn: http.client.HTTPConnection = http.client.HTTPConnection("127.0.0.1", fcm.port,
+                                                                      timeout=_WAIT_LIMIT)
+    else:
+        conn = http.client.HTTPSConnection("127.0.0.1", fcm.port, timeout=_WAIT_LIMIT,
+                                           context=fcm.ssl_context())
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Authorization": "Bearer " + (token or fcm.access_token)}
+    try:
+        conn.request(method, path, data, headers)
+        answer = conn.getresponse()
+        text = answer.read().decode()
+        fields = {name.lower(): value for name, value in answer.getheaders()}
+    finally:
+        conn.close()
+    try:
+        return answer.status, fields, json.loads(text)
+    except ValueError:
+        return answer.status, fields, text
+
+
+class ShippedFakeTestCase(unittest.TestCase):
+    """A test with an andpush.FakeFCM of its own, as in the README."""
+
+    def setUp(self) -> None:
+        self.fcm = andpush.FakeFCM().start()
+        self.addCleanup(self.fcm.close)
+        self.addCleanup(lambda: self.assertEqual(self.fcm._errors, []))
+
+    def client(self, **options: Any) -> andpush.Client:
+        options.setdefault("max_retries", 0)
+        client = self.fcm.client(**options)
+        self.addCleanup(client.close)
+        return client
+
+    def send(self, message: Any, **fields: Any) -> Tuple[int, Dict[str, str], Any]:
+        path = "/v1/projects/%s/messages:send" % self.fcm.project_id
+        return fake_post(self.fcm, path, dict({"message": message}, **fields))
+
+
+class FakeSendTest(ShippedFakeTestCase):
+    """Sends are checked as FCM checks them and answered as FCM answers."""
+
+    def test_a_client_it_hands_out_sends_with_its_service_account(self) -> None:
+        response = self.client().push({"token": "t1", "notification": {"title": "Hi"}})
+        self.assertEqual(response.json(), {"name": "projects/fake-project/messages/0:1"})
+        (message,) = self.fcm.messages
+        self.assertEqual((message.token, message.tokens, message.api, message.protocol,
+                          message.status, message.error, message.validate_only),
+                         ("t1", ("t1",), "v1", "HTTP/2", 200, None, False))
+        self.assertEqual(message.message, {"token": "t1", "notification": {"title": "Hi"}})
+        self.assertTrue(message.headers["authorization"].startswith("Bearer ya29.fake-"))
+        counts = self.fcm.counts
+        self.assertEqual((counts["requests"], counts["messages"], counts["delivered"],
+                          counts["access_tokens"]), (2, 1, 1, 1))
+
+    def test_what_the_librarys_checks_refuse_is_invalid_argument_with_their_reason(self) -> None:
+        table: List[Tuple[Any, str]] = [
+            ({"token": "a", "data": {"n": 1}}, r"data\['n'\] must be a str"),
+            ({"token": "a", "topic": "b"}, "exactly one target"),
+            ({"topic": "/topics/news"}, "without the /topics/ prefix"),
+            ({"token": "a", "data": {"from": "x"}}, "reserved"),
+            ({"token": "a", "android": {"ttl": "soon"}}, "android.ttl"),
+            ({"token": "a", "data": {"k": "x" * 5000}}, "at most 4096"),
+            ({"condition": "'a' in topics &&"}, "condition ends"),
+            ({"condition": "'a' in topics || news"}, "not a topic condition"),
+            ({"condition": " || ".join("'t%d' in topics" % i for i in range(6))}, "more than 5"),
+        ]
+        for message, reason in table:
+            with self.subTest(message=message):
+                status, _, answer = self.send(message)
+                self.assertEqual((status, answer["error"]["status"]), (400, "INVALID_ARGUMENT"))
+                self.assertEqual(answer["error"]["details"][0]["errorCode"], "INVALID_ARGUMENT")
+                self.assertRegex(answer["error"]["message"], reason)
+        self.assertEqual([m.error for m in self.fcm.messages], ["INVALID_ARGUMENT"] * len(table))
+        self.assertEqual(self.fcm.counts["delivered"], 0)
+
+    def test_a_body_that_is_no_v1_request_is_invalid_argument(self) -> None:
+        path = "/v1/projects/fake-project/messages:send"
+        for body, reason in [
+            (b"{not json", "Invalid JSON payload"),
+            ({"message": "text"}, "a \"message\" object"),
+            ({"message": {"token": "a"}, "dry_run": True}, 'Unknown name "dry_run"'),
+            ({"message": {"token": "a"}, "validate_only": "yes"}, "true or false"),
+        ]:
+            with self.subTest(body=body):
+                status, _, answer = fake_post(self.fcm, path, body)
+                self.assertEqual(status, 400)
+                self.assertIn(reason, answer["error"]["message"])
+
+    def test_validate_only_answers_without_sending(self) -> None:
+        response = self.client().push({"token": "t1"}, validate_only=True)
+        self.assertEqual(response.json()["name"], "projects/fake-project/messages/fake_message_id")
+        self.assertEqual((self.fcm.messages[0].tokens, self.fcm.counts["delivered"]), ((), 0))
+
+    def test_unknown_bearer_tokens_and_other_projects_are_refused(self) -> None:
+        status, _, answer = fake_post(self.fcm, "/v1/projects/fake-project/messages:send",
+                                      {"message": {"token": "a"}}, token="ya29.forged")
+        self.assertEqual((status, answer["error"]["status"]), (401, "UNAUTHENTICATED"))
+        with self.assertRaises(andpush.PermissionDeniedError):
+            self.client(project_id="another-project").push({"token": "a"})
+        self.assertEqual(self.fcm.counts["messages"], 0)
+
+    def test_the_legacy_api_takes_its_server_key(self) -> None:
+        self.fcm.unregister("gone")
+        self.fcm.move_to_other_project("foreign")
+        client = self.client(server_key=self.fcm.server_key)
+        answer = client.push({"registration_ids": ["ok", "gone", "foreign"], "data": {}})
+        self.assertEqual(answer.errors, {"gone": "NotRegistered", "foreign": "MismatchSenderId"})
+        self.assertEqual(self.fcm.messages[0].tokens, ("ok",))
+        self.assertEqual(client.push({"to": "ok"}, validate_only=True).json()["multicast_id"], -1)
+        with self.assertRaises(andpush.ClientError) as caught:
+            self.client(server_key="not-the-fakes").push({"to": "ok"})
+        self.assertEqual(caught.exception.status_code, 401)
+
+
+class FakeScriptingTest(ShippedFakeTestCase):
+    """A test scripts the fake's answers: errors, pauses, silences and dropped connections."""
+
+    def test_marked_tokens_are_unregistered_or_another_projects(self) -> None:
+        self.fcm.unregister("gone")
+        self.fcm.move_to_other_project("foreign")
+        client = self.client()
+        with self.assertRaises(andpush.UnregisteredError):
+            client.push({"token": "gone"})
+        with self.assertRaises(andpush.SenderIdMismatchError):
+            client.push({"token": "foreign"})
+        self.assertEqual(client.push({"token": "other"}).status_code, 200)
+
+    def test_the_next_sends_answer_the_errors_scripted_then_as_usual(self) -> None:
+        self.fcm.answer("UNAVAILABLE", times=2)
+        self.fcm.answer("QUOTA_EXCEEDED", retry_after=30)
+        client = self.client()
+        clock = FakeClock.install(client)
+        for _ in range(2):
+            with self.assertRaises(andpush.UnavailableError):
+                client.push({"token": "a"})
+        with self.assertRaises(andpush.QuotaExceededError) as caught:
+            client.push({"token": "a"})
+        self.assertEqual(caught.exception.retry_after, 30.0)
+        clock.time += 60  # past the pause the 429 began
+        self.assertEqual(client.push({"token": "a"}).status_code, 200)
+        self.assertEqual([m.error for m in self.fcm.messages],
+                         ["UNAVAILABLE", "UNAVAILABLE", "QUOTA_EXCEEDED", None])
+
+    def test_a_tokens_script_answers_each_of_its_sends_and_comes_first(self) -> None:
+        self.fcm.answer("UNAVAILABLE")
+        self.fcm.answer("INTERNAL", token="flaky", times=None)
+        client = self.client()
+        outcomes = [outcome for _, outcome in client.push_many(
+            [{"token": t} for t in ("flaky", "flaky", "fine", "flaky", "fine")], concurrency=1)]
+        self.assertEqual([type(o).__name__ for o in outcomes], [
+            "InternalError", "InternalError", "UnavailableError", "InternalError", "Response"])
+
+    def test_late_never_and_dropped_answers(self) -> None:
+        client = self.client(timeout=(2.0, 0.3))
+        client.push({"token": "warm"})
+        self.fcm.answer(delay=0.05)
+        started = time.monotonic()
+        self.assertEqual(client.push({"token": "late"}).status_code, 200)
+        self.assertGreaterEqual(time.monotonic() - started, 0.05)
+        self.fcm.answer(delay=math.inf)
+        with self.assertRaises(andpush.NetworkError) as never:
+            client.push({"token": "never"})
+        self.fcm.answer(drop=True)
+        with self.assertRaises(andpush.NetworkError) as dropped:
+            client.push({"token": "dropped"})
+        self.assertTrue(never.exception.may_have_been_delivered)
+        self.assertTrue(dropped.exception.may_have_been_delivered)
+        self.assertEqual([(m.token, m.status) for m in self.fcm.messages[1:]],
+                         [("late", 200), ("never", None), ("dropped", None)])
+
+    def test_over_the_quota_sends_get_429_with_a_retry_after(self) -> None:
+        self.fcm.quota = 3
+        client = self.client()
+        FakeClock.install(client)  # the client's 429 pause passes at once, the fake's second not
+        outcomes = [outcome for _, outcome in client.push_many(
+            [{"token": "t%d" % i} for i in range(5)], concurrency=1)]
+        self.assertEqual([type(o).__name__ for o in outcomes], ["Response"] * 3 + [
+            "QuotaExceededError"] * 2)
+        retry_after = outcomes[3].retry_after  # type: ignore[union-attr]
+        self.assertTrue(retry_after is not None and 0 < retry_after <= 1, retry_after)
+
+    def test_bad_scripts_are_refused(self) -> None:
+        for arguments, error in [({"error": "NOPE"}, ValueError), ({"times": 0}, ValueError),
+                                 ({"delay": -1}, ValueError), ({"token": ""}, ValueError),
+                                 ({"error": "INTERNAL", "drop": True}, ValueError)]:
+            with self.subTest(arguments), self.assertRaises(error):
+                self.fcm.answer(**arguments)
+
+    def test_reset_forgets_all_but_the_connections_and_tokens(self) -> None:
+        client = self.client()
+        self.fcm.unregister("gone")
+        self.fcm.answer("INTERNAL", times=None)
+        self.fcm.quota = 1
+        client.subscribe(["a"], "news")
+        with self.assertRaises(andpush.InternalError):
+            client.push({"token": "a"})
+        self.fcm.reset()
+        self.assertEqual((self.fcm.messages, self.fcm.members("news"), self.fcm.quota),
+                         ([], set(), None))
+        self.assertEqual(client.push({"token": "gone"}).status_code, 200)  # its token still good
+
+
+class FakeRecordingTest(ShippedFakeTestCase):
+    """What a test reads back: the messages, bounded, per token, and the counts."""
+
+    def test_the_record_keeps_the_newest_messages_and_counts_them_all(self) -> None:
+        fcm = andpush.FakeFCM(max_recorded=3).start()
+        self.addCleanup(fcm.close)
+        with fcm.client() as client:
+            list(client.push_many([{"token": "t%d" % i} for i in range(5)], concurrency=1))
+        self.assertEqual([m.token for m in fcm.messages], ["t2", "t3", "t4"])
+        self.assertEqual((fcm.counts["messages"], fcm.counts["delivered"]), (5, 5))
+
+    def test_messages_to_a_token_are_its_own_and_its_topics(self) -> None:
+        client = self.client()
+        client.subscribe(["a", "b"], "news")
+        client.push({"token": "a", "data": {"n": "1"}})
+        client.push({"topic": "news", "data": {"n": "2"}})
+        client.push({"token": "b", "data": {"n": "3"}})
+        self.assertEqual([m.message["data"]["n"] for m in self.fcm.messages_to("a")], ["1", "2"])
+        self.assertEqual(self.fcm.messages[1].tokens, ("a", "b"))
+        self.assertNotIn("'a'", repr(self.fcm.messages[0]))  # no device token in a repr
+
+
+class FakeTopicsTest(ShippedFakeTestCase):
+    """Topic management keeps memberships, which topic and condition sends reach."""
+
+    def test_subscriptions_are_kept_and_sends_reach_the_members(self) -> None:
+        client = self.client()
+        self.assertTrue(all(isinstance(o, andpush.Response)
+                            for o in client.subscribe(["a", "b", "c"], "news")))
+        client.subscribe(["c"], "sport")
+        client.subscribe(["a"], "news")  # already: a success, as FCM's 409 is to andpush
+        client.unsubscribe(["b"], "news")
+        self.assertEqual(self.fcm.members("news"), {"a", "c"})
+        client.push({"condition": "'news' in topics && !('sport' in topics)"})
+        client.push({"condition": "'sport' in topics || 'news' in topics"})
+        self.assertEqual([m.tokens for m in self.fcm.messages], [("a",), ("a", "c")])
+
+    def test_unsubscribing_a_token_that_is_not_subscribed_is_not_found(self) -> None:
+        outcome = self.client().unsubscribe(["stranger"], "news")[0]
+        self.assertIsInstance(outcome, andpush.ClientError)
+        path = "/v1/projects/fake-project/registrations/stranger/topicSubscriptions/news"
+        status, _, _ = fake_post(self.fcm, path + "?allow_missing=true", b"", method="DELETE")
+        self.assertEqual(status, 200)  # as firebase-admin asks
+
+
+class FakeTokenEndpointTest(unittest.TestCase):
+    """The token endpoint refuses a JWT as Google's does: signature, iss, aud, scope, exp."""
+
+    def test_what_is_wrong_with_a_jwt(self) -> None:
+        key = _parse_private_key(andpush._FAKE_ACCOUNT_KEY_PEM)
+        email = "fake-sender@fake-project.iam.gserviceaccount.com"
+        audiences = ("https://127.0.0.1:1/token", andpush._GOOGLE_TOKEN_URI)
+        now = 1_800_000_000
+        good = {"iss": email, "aud": audiences[0], "scope": FCM_SCOPE, "iat": now,
+                "exp": now + 3600}
+        google_auth = dict(good, aud=andpush._GOOGLE_TOKEN_URI, scope=" ".join(
+            ["https://www.googleapis.com/auth/cloud-platform",
+             "https://www.googleapis.com/auth/userinfo.email"]))
+        other_key = _parse_private_key(TEST_OTHER_RSA_KEY_PEM)
+        table: List[Tuple[Dict[str, Any], Any, Optional[str]]] = [
+            (good, key, None),
+            (google_auth, key, None),
+            (good, other_key, "Invalid JWT Signature."),
+            (dict(good, iss="someone@else"), key, "account not found"),
+            (dict(good, aud="https://example.com/token"), key, "Failed audience check"),
+            (dict(good, scope="https://www.googleapis.com/auth/drive"), key, "Invalid OAuth scope"),
+            (dict(good, exp=now - 1), key, "short-lived"),
+            (dict(good, exp=now + 7200), key, "short-lived"),
+            (dict(good, iat=now + 600, exp=now + 1200), key, "short-lived"),
+        ]
+        for claims, signer, problem in table:
+            with self.subTest(claims=claims, problem=problem):
+                assertion = _jwt({"alg": "RS256", "typ": "JWT"}, claims, signer)
+                found = andpush._jwt_problem(assertion, key, email, audiences, now)
+                if problem is None:
+                    self.assertIsNone(found)
+                else:
+                    assert found is not None
+                    self.assertIn(problem, found[1])
+        self.assertEqual(andpush._jwt_problem("a.b", key, email, audiences, now)[0],  # type: ignore[index]
+                         "invalid_grant")
+
+    def test_a_refused_grant_is_an_auth_error_naming_googles_reason(self) -> None:
+        with andpush.FakeFCM() as fcm:
+            info = dict(fcm.service_account(), client_email="someone@else.example")
+            with fcm.client(credentials=info, max_retries=0) as client, \
+                    self.assertRaisesRegex(andpush.AuthError, "account not found"):
+                client.push({"token": "a"})
+
+
+class FakeConnectionsTest(ShippedFakeTestCase):
+    """One port speaks HTTP/1.1 and HTTP/2, with TLS and without; only the fake's own
+    context trusts its certificate."""
+
+    def test_https_offers_h2_and_http11_by_alpn(self) -> None:
+        self.client().push({"token": "a"})
+        self.client(http2=False).push({"token": "b"})
+        self.assertEqual([m.protocol for m in self.fcm.messages], ["HTTP/2", "HTTP/1.1"])
+
+    def test_plain_http_takes_http11_and_http2_with_prior_knowledge(self) -> None:
+        status, _, answer = fake_post(self.fcm, "/v1/projects/fake-project/messages:send",
+                                      {"message": {"token": "a"}}, plain=True)
+        self.assertEqual(status, 200)
+        conn = andpush._H2Connection("127.0.0.1:%d" % self.fcm.port, "http")
+        with socket.create_connection(("127.0.0.1", self.fcm.port), timeout=_WAIT_LIMIT) as sock:
+            sock.sendall(bytes(conn.outgoing))
+            conn.wrote(len(conn.outgoing))
+            while conn.state != "OPEN":
+                conn.receive(sock.recv(65536))
+            conn.start("POST", "/v1/projects/fake-project/messages:send",
+                       {"authorization": "Bearer " + self.fcm.access_token},
+                       b'{"message": {"token": "b"}}', "b", math.inf)
+            sock.sendall(bytes(conn.outgoing))
+            while not conn.finished:
+                conn.receive(sock.recv(65536))
+        self.assertEqual(conn.finished[0][1].status_code, 200)  # type: ignore[union-attr]
+        self.assertEqual([m.protocol for m in self.fcm.messages], ["HTTP/1.1", "HTTP/2"])
+
+    def test_a_default_context_does_not_trust_the_fakes_certificate(self) -> None:
+        client = andpush.new(access_token=self.fcm.access_token, project_id="fake-project",
+                             endpoint=self.fcm.endpoint, max_retries=0)
+        self.addCleanup(client.close)
+        with self.assertRaisesRegex(andpush.NetworkError, "CERTIFICATE_VERIFY_FAILED"):
+            client.push({"token": "a"})
+
+    def test_its_files_are_for_other_programs_and_go_with_it(self) -> None:
+        with open(self.fcm.ca_file) as file:
+            self.assertEqual(file.read(), andpush._FAKE_CA_PEM)
+        with open(self.fcm.service_account_file) as file:
+            self.assertEqual(json.load(file), self.fcm.service_account())
+        folder = os.path.dirname(self.fcm.ca_file)
+        self.fcm.close()
+        self.assertFalse(os.path.exists(folder))
+
+    def test_an_asyncio_client_it_hands_out_sends_too(self) -> None:
+        async def send() -> Any:
+            async with self.fcm.async_client() as client:
+                return (await client.push({"token": "a"})).json()
+
+        self.assertEqual(asyncio.run(send())["name"], "projects/fake-project/messages/0:1")
+
+
 # The README ##################################################################################
 
 class FakeFastAPI:
@@ -5856,6 +6212,61 @@ class CliProxyTest(CliTestCase):
         result = self.andpush("send", "--token", TOKEN, "--title", "Hi",
                               "--proxy", "socks5://127.0.0.1:1080")
         self.assertErrorLine(result, 2, "--proxy must look like http://")
+
+
+class CliFakeTest(CliTestCase):
+    """fake-fcm runs the fake for tests in other languages; --fake sends to one of its own."""
+
+    def lines(self, stream: Any) -> "queue.Queue[str]":
+        """The lines of a child's pipe as they come, read by a thread of their own."""
+        lines: "queue.Queue[str]" = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+        return lines
+
+    def test_fake_fcm_says_where_it_is_prints_each_message_and_stops_on_ctrl_c(self) -> None:
+        process = subprocess.Popen(
+            python_command("-m", "andpush", "fake-fcm"), cwd=_REPO,
+            env=child_environment(self.environment()), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        self.addCleanup(process.kill)
+        errors, output = self.lines(process.stderr), self.lines(process.stdout)
+        said = {}
+        line = ""
+        while "Ctrl-C stops" not in line:
+            line = errors.get(timeout=_CLI_TIMEOUT)
+            name, _, value = line.partition(": ")[2].strip().partition(": ")
+            said[name] = value
+        endpoint = re.search(r"https://127\.0\.0\.1:[0-9]+", line + str(said)).group(0)  # type: ignore[union-attr]
+        result = self.andpush("send", "--token", "t1", "--title", "Hi", options=[
+            "--credentials", said["service account key file"], "--cafile", said["CA file"],
+            "--endpoint", endpoint])
+        self.assertExit(result, 0)
+        logged = json.loads(output.get(timeout=_CLI_TIMEOUT))
+        self.assertEqual((logged["message"], logged["status"], logged["protocol"]),
+                         ({"token": "t1", "notification": {"title": "Hi"}}, 200, "HTTP/2"))
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=_CLI_TIMEOUT)
+        self.addCleanup(process.stderr.close)  # type: ignore[union-attr]
+        self.addCleanup(process.stdout.close)  # type: ignore[union-attr]
+        self.assertEqual(process.returncode, 0)
+        self.assertIn("stopped: 1 messages received, 1 delivered", errors.get(timeout=_CLI_TIMEOUT))
+
+    def test_fake_sends_every_command_to_a_fake_of_its_own(self) -> None:
+        result = self.andpush("--fake", "send", "--token", "t1", "--title", "Hi", options=[])
+        self.assertExit(result, 0)
+        self.assertEqual(json.loads(result.stdout)["name"], "projects/fake-project/messages/0:1")
+        result = self.andpush("--fake", "send-many", "--tokens", "-", "--title", "Hi",
+                              stdin="a\nb\nc\n", options=[])
+        self.assertExit(result, 0)
+        self.assertIn("sent 3 of 3 messages", result.stderr)
+
+    def test_options_that_say_where_fcm_is_mean_nothing_with_the_fake(self) -> None:
+        result = self.andpush("--fake", "send", "--token", "t", "--title", "Hi",
+                              options=["--endpoint", "https://127.0.0.1:1"])
+        self.assertErrorLine(result, 2, "--fake sends to a fake FCM of its own",
+                             "leave out --endpoint")
+        result = self.andpush("fake-fcm", options=["--credentials", self.key_file])
+        self.assertErrorLine(result, 2, "leave out --credentials")
 
 
 class CliProgressTest(unittest.TestCase):
