@@ -6553,6 +6553,7 @@ class FakeFCM:
         self._wake_r, self._wake_w = socket.socketpair()
         self._calls: Deque[Callable[[], None]] = collections.deque()
         self._links: Set[_FakeLink] = set()
+        self._unflushed: Set[_FakeLink] = set()  # given answers by timers, not yet written
         self._timers: List[Tuple[float, int, Callable[[], None]]] = []
         self._timer_number = 0
         self._next_scan = 0.0
@@ -7092,6 +7093,10 @@ class FakeFCM:
                 now = time.monotonic()
                 while self._timers and self._timers[0][0] <= now:
                     heapq.heappop(self._timers)[2]()
+                while self._unflushed:  # what the timers queued: one write per connection
+                    link = self._unflushed.pop()
+                    if not link.closed:
+                        self._flush(link)
                 if now >= self._next_scan:
                     self._scan(now)
         except Exception:  # noqa: BLE001 (a bug of the fake's: kept and logged)
@@ -7271,8 +7276,7 @@ class FakeFCM:
     def _deliver_late(self, link: _FakeLink, request: _FakeRequest, answer: _FakeAnswer
                       ) -> None:
         self._deliver(link, request, answer)
-        if not link.closed:
-            self._flush(link)
+        self._unflushed.add(link)
 
     def _write(self, link: _FakeLink, data: bytes) -> None:
         """Queue bytes of the protocol's to be sent, encrypted if the connection is TLS."""
