@@ -723,8 +723,8 @@ class FakeFCM(andpush.FakeFCM):
         elif isinstance(protocol, andpush._FakeH1):
             self._respond_h1(link, protocol, request, answer, action,
                              isinstance(action, Reply) and action.closes)
-        if late and not link.closed:
-            self._flush(link)
+        if late:
+            self._unflushed.add(link)
 
     def _respond_h1(self, link: andpush._FakeLink, protocol: andpush._FakeH1,
                     request: andpush._FakeRequest, answer: andpush._FakeAnswer,
@@ -5298,15 +5298,43 @@ class FakeFastAPI:
             return [await self.routes[path](*arguments) for arguments in calls]
 
 
+def readme() -> str:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as file:
+        return file.read()
+
+
+class FakePytest(types.ModuleType):
+    """The part of pytest the README's example uses, so that the test can run its tests."""
+
+    def __init__(self) -> None:
+        super().__init__("pytest")
+        self.fixtures: Dict[str, Callable[[], Iterator[Any]]] = {}
+
+    def fixture(self, function: Callable[[], Iterator[Any]]) -> Callable[[], Iterator[Any]]:
+        self.fixtures[function.__name__] = function
+        return function
+
+    @staticmethod
+    def raises(error: type) -> Any:
+        return unittest.TestCase().assertRaises(error)
+
+    def run(self, test: Callable[..., None]) -> None:
+        """Call a test function with its fixtures, each set up and torn down around it."""
+        with contextlib.ExitStack() as stack:
+            arguments = [stack.enter_context(contextlib.contextmanager(self.fixtures[name])())
+                         for name in inspect.signature(test).parameters]
+            test(*arguments)
+
+
 class ReadmeExamplesTest(unittest.TestCase):
-    """Every Python example in README.md runs, in order, against the fake server."""
+    """Every Python example in README.md runs, in order, against the fake server, and the
+    tests it shows pass; its ```py examples need packages (the interop tests run them)."""
 
     def test_every_python_example_runs(self) -> None:
         import asyncio  # only this test needs it, here: merges cleanly with other work
         from typing import AsyncIterator
 
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
-            examples = re.findall(r"```python\n(.*?)```", f.read(), re.DOTALL)
+        examples = re.findall(r"```python\n(.*?)```", readme(), re.DOTALL)
         self.assertGreater(len(examples), 5)
         with FakeFCM() as server, tempfile.TemporaryDirectory() as directory:
             server.valid_tokens.add("test-token")
@@ -5314,9 +5342,6 @@ class ReadmeExamplesTest(unittest.TestCase):
             server.by_token["gone"] = [fcm_error(404, "UNREGISTERED")]  # the FastAPI one's
             with open(os.path.join(directory, "service-account.json"), "w") as file:
                 json.dump(service_account_info(server), file)
-            ca_file = os.path.join(directory, "ca.pem")
-            with open(ca_file, "w") as file:
-                file.write(andpush._FAKE_CA_PEM)
             real_new = andpush.new
 
             def new(*args: Any, **options: Any) -> andpush.Client:
@@ -5338,6 +5363,7 @@ class ReadmeExamplesTest(unittest.TestCase):
 
             fastapi = types.ModuleType("fastapi")
             fastapi.FastAPI = FakeFastAPI  # type: ignore[attr-defined]
+            pytest = FakePytest()
             forgotten: List[str] = []
             namespace: Dict[str, Any] = {
                 "device_token": TOKEN, "other_token": "other-token", "server_key": SERVER_KEY,
@@ -5351,12 +5377,21 @@ class ReadmeExamplesTest(unittest.TestCase):
             try:
                 with unittest.mock.patch.object(andpush, "new", new), \
                         unittest.mock.patch.object(andpush, "new_async", new_async), \
-                        unittest.mock.patch.dict(sys.modules, fastapi=fastapi), \
-                        environment(FCM_TEST_ENDPOINT=server.endpoint, FCM_TEST_CA_FILE=ca_file), \
+                        unittest.mock.patch.dict(sys.modules, fastapi=fastapi, pytest=pytest), \
                         contextlib.redirect_stdout(io.StringIO()):
                     for number, example in enumerate(examples, 1):
                         with self.subTest(example=number):
                             exec(compile(example, "README example %d" % number, "exec"), namespace)
+                    tests = [value for value in namespace.values() if isinstance(value, type)
+                             and issubclass(value, unittest.TestCase)]
+                    result = unittest.TextTestRunner(stream=io.StringIO(), verbosity=0).run(
+                        unittest.TestSuite(unittest.defaultTestLoader.loadTestsFromTestCase(test)
+                                           for test in tests))
+                    self.assertEqual((result.testsRun, result.failures, result.errors),
+                                     (len(tests), [], []))
+                    for name, test in list(namespace.items()):
+                        if name.startswith("test_") and callable(test):
+                            pytest.run(test)
                     namespace["notify"](TOKEN, "Hello")
                     answers = asyncio.run(namespace["app"].serve(
                         "/notify/{token}", (TOKEN, "Hello"), ("gone", "Hello")))
@@ -5374,10 +5409,10 @@ class ReadmeExamplesTest(unittest.TestCase):
             self.assertEqual(sent_to.count("a2"), 1)  # the asyncio push_many's
 
     def test_every_command_line_example_runs(self) -> None:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")) as f:
-            blocks = re.findall(r"```sh\n(.*?)```", f.read(), re.DOTALL)
+        # fake-fcm runs until Ctrl-C: CliFakeTest runs it.
+        blocks = re.findall(r"```sh\n(.*?)```", readme(), re.DOTALL)
         commands = [line for block in blocks for line in block.splitlines()
-                    if line.startswith("andpush ")]
+                    if line.startswith("andpush ") and "fake-fcm" not in line]
         self.assertGreaterEqual(len(commands), 5)
         with FakeFCM() as server, tempfile.TemporaryDirectory() as directory:
             with open(os.path.join(directory, "key.json"), "w") as file:
@@ -5391,8 +5426,9 @@ class ReadmeExamplesTest(unittest.TestCase):
             try:
                 for command in commands:
                     with self.subTest(command):
-                        argv = shlex.split(command)[1:] + ["--endpoint", server.endpoint,
-                                                           "--cafile", "ca.pem"]
+                        argv = shlex.split(command)[1:]
+                        if "--fake" not in argv:
+                            argv += ["--endpoint", server.endpoint, "--cafile", "ca.pem"]
                         stderr = io.StringIO()
                         with contextlib.redirect_stdout(io.StringIO()), \
                                 contextlib.redirect_stderr(stderr):
@@ -5401,6 +5437,21 @@ class ReadmeExamplesTest(unittest.TestCase):
             finally:
                 os.chdir(cwd)
             self.assertEqual(server.errors, [])
+
+    def test_the_command_to_try_it_sends_through_the_fake_with_progress_and_summary(self) -> None:
+        section = readme().split("## Try it with nothing to configure")[1]
+        command = re.search(r"```sh\n(.*?)\n```", section, re.DOTALL).group(1)  # type: ignore[union-attr]
+        self.assertIn("--fake send-many", command)
+        command = command.replace("100000", "300").replace(
+            "python -m andpush", " ".join(shlex.quote(part) for part in python_command(
+                "-m", "andpush")))
+        with tempfile.TemporaryDirectory() as directory:
+            done = subprocess.run(["sh", "-c", command], cwd=directory, capture_output=True,
+                                  text=True, env=child_environment(
+                                      {"PYTHONPATH": _REPO, **os.environ}),
+                                  timeout=_CLI_TIMEOUT)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("sent 300 of 300 messages", done.stderr)
 
 
 class ManualTest(unittest.TestCase):
@@ -6512,6 +6563,7 @@ class EngineTest(HTTP2TestCase):
     def test_a_failure_inside_the_io_loop_ends_each_held_message_and_the_client_recovers(
             self) -> None:
         self.server.reply_delay = 0.02
+        self.server.by_token["t19"] = [SLOW]  # in flight still when the others are answered
         client = self.h2_client()
         client.push(V1_MESSAGE)
         fire_timers = andpush._Engine._fire_timers
