@@ -5984,7 +5984,7 @@ class _FakeH2:
         far as the client's windows allow, the rest when they grow."""
         stream = self.streams.get(request.stream)
         if stream is None or stream.pending:
-            return []  # reset by the client, or beyond a GOAWAY
+            return []  # gone (reset by the client, beyond a GOAWAY), or answered already
         key = (status, len(body), *headers)
         block = self._answers.get(key)
         if block is None:
@@ -6550,7 +6550,7 @@ class FakeFCM:
         self._listener: Optional[socket.socket] = None
         self._thread: Optional[threading.Thread] = None
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake: Tuple[socket.socket, ...] = ()  # a pair that wakes the thread: start()'s
         self._calls: Deque[Callable[[], None]] = collections.deque()
         self._links: Set[_FakeLink] = set()
         self._unflushed: Set[_FakeLink] = set()  # given answers by timers, not yet written
@@ -6638,11 +6638,11 @@ class FakeFCM:
         Retry-After of ``retry_after`` seconds; ``delay`` seconds late (``math.inf``:
         never); or no answer, the connection dropped (``drop``). Scripts for a token come
         before the others; each takes its sends in the order they come."""
-        if error not in _FAKE_ERRORS or error == "ALREADY_EXISTS":
-            if error != "":
-                raise ValueError("error must be one of %s, or \"\" for the usual answer; got %r"
-                                 % (", ".join(sorted(set(_FAKE_ERRORS) - {"ALREADY_EXISTS"})),
-                                    error))
+        if not isinstance(error, str):
+            raise TypeError("error must be a str, got %s" % type(error).__name__)
+        if error and (error not in _FAKE_ERRORS or error == "ALREADY_EXISTS"):
+            raise ValueError("error must be one of %s, or \"\" for the usual answer; got %r"
+                             % (", ".join(sorted(set(_FAKE_ERRORS) - {"ALREADY_EXISTS"})), error))
         if times is not None:
             _check_number("times", times, minimum=1, integer=True)
         if token is not None and (not isinstance(token, str) or not token):
@@ -6731,9 +6731,10 @@ class FakeFCM:
         self._context = context
         self._listener = listener
         self._port = listener.getsockname()[1]
-        self._wake_r.setblocking(False)
+        self._wake = socket.socketpair()
+        self._wake[0].setblocking(False)
         self._selector.register(listener, selectors.EVENT_READ, "accept")
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._selector.register(self._wake[0], selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._serve, name="fake-fcm", daemon=True)
         self._thread.start()
         return self
@@ -7065,7 +7066,7 @@ class FakeFCM:
         """Have the fake's thread run ``call``; from any thread."""
         self._calls.append(call)
         with contextlib.suppress(OSError):  # full: the thread has a wake-up waiting anyway
-            self._wake_w.send(b"\0")
+            self._wake[1].send(b"\0")
 
     def _later(self, delay: float, call: Callable[[], None]) -> None:
         """Have the fake's thread run ``call`` ``delay`` seconds from now."""
@@ -7087,7 +7088,7 @@ class FakeFCM:
                         self._accept()
                     else:
                         with contextlib.suppress(OSError):
-                            self._wake_r.recv(4096)
+                            self._wake[0].recv(4096)
                 while self._calls:
                     self._calls.popleft()()
                 now = time.monotonic()
@@ -7107,8 +7108,8 @@ class FakeFCM:
             if self._listener is not None:
                 self._listener.close()
             selector.close()
-            self._wake_r.close()
-            self._wake_w.close()
+            for sock in self._wake:
+                sock.close()
 
     def _stop(self) -> None:
         self._stopping = True

@@ -5113,7 +5113,8 @@ class FakeScriptingTest(ShippedFakeTestCase):
         self.assertTrue(retry_after is not None and 0 < retry_after <= 1, retry_after)
 
     def test_bad_scripts_are_refused(self) -> None:
-        for arguments, error in [({"error": "NOPE"}, ValueError), ({"times": 0}, ValueError),
+        for arguments, error in [({"error": "NOPE"}, ValueError), ({"error": None}, TypeError),
+                                 ({"times": 0}, ValueError),
                                  ({"delay": -1}, ValueError), ({"token": ""}, ValueError),
                                  ({"error": "INTERNAL", "drop": True}, ValueError)]:
             with self.subTest(arguments), self.assertRaises(error):
