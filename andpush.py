@@ -6522,8 +6522,7 @@ class FakeFCM:
         #: Messages a second above which sends are answered 429 QUOTA_EXCEEDED (None: no
         #: limit), as FCM's project quota does.
         self.quota: Optional[int] = None
-        #: Seconds an idle connection stays open.
-        self.idle_timeout = _FAKE_IDLE_TIMEOUT
+        self._idle_timeout = _FAKE_IDLE_TIMEOUT
         self._port = port
         self._send_path = "/v1/projects/%s/messages:send" % project_id
         self._name_prefix = "projects/%s/messages/" % project_id  # (safe in JSON as it is)
@@ -6558,6 +6557,18 @@ class FakeFCM:
         self._timer_number = 0
         self._next_scan = 0.0
         self._stopping = False
+
+    @property
+    def idle_timeout(self) -> float:
+        """Seconds an idle connection stays open (240, as Google's front end)."""
+        return self._idle_timeout
+
+    @idle_timeout.setter
+    def idle_timeout(self, seconds: float) -> None:
+        _check_number("idle_timeout", seconds, minimum=0, exclusive=True)
+        self._idle_timeout = float(seconds)
+        if self._wake:
+            self._call_soon(self._scan_soon)  # the connections idle already count from now
 
     # Where it is, and clients for it ----------------------------------------------------
 
@@ -7113,6 +7124,9 @@ class FakeFCM:
 
     def _stop(self) -> None:
         self._stopping = True
+
+    def _scan_soon(self) -> None:
+        self._next_scan = 0.0
 
     def _fail(self) -> None:
         import traceback
