@@ -26,7 +26,8 @@ with a backoff and the 429 pause, each at most 120 s, between them. A connection
 fails holds off new ones to its server, doubling up to 30 s.
 
 ``andpush.new(server_key)`` makes a client of the legacy API instead
-(``andpush.build`` is another name for ``new``).
+(``andpush.build`` is another name for ``new``). ``andpush.FakeFCM()`` is a local FCM
+for tests, and ``python -m andpush fake-fcm`` the same for tests in other languages.
 
 A message is a plain dict, as FCM's JSON has it. For type checkers, ``andpush.Message``
 and its parts (Notification, AndroidConfig, AndroidNotification, ApnsConfig,
@@ -101,6 +102,7 @@ __all__ = [
     "ServerError", "InvalidArgumentError", "UnregisteredError", "SenderIdMismatchError",
     "QuotaExceededError", "ThirdPartyAuthError", "UnauthenticatedError",
     "PermissionDeniedError", "InternalError", "UnavailableError",
+    "FakeFCM", "ReceivedMessage",
 ]
 
 log = logging.getLogger("andpush")
@@ -6402,6 +6404,1811 @@ def _timeouts(timeout: Union[None, float, Tuple[float, float]]) -> Tuple[float, 
     return float(timeout), float(timeout)
 
 
+# Fake FCM ####################################################################
+# A local FCM for tests, started in one line: v1 and legacy sends checked as FCM checks them,
+# topic management, and Google's token endpoint, over HTTP/1.1 and HTTP/2 on one port (TLS
+# with ALPN, or plain HTTP), with failures a test scripts and a bounded record of what came.
+# The protocol code takes bytes and gives requests and bytes; the fake's one thread moves
+# them, with a selector over every connection and a heap of timers for late answers.
+
+# The fake's certificate for 127.0.0.1 and localhost, signed by its own CA, made once with
+# openssl (ECDSA P-256, valid 2000 to 2125) in the shape Python 3.13's strict checks accept.
+# The keys are public: anyone can pose as the fake with them, which is why only the context
+# FakeFCM.ssl_context() makes (and FakeFCM.ca_file, for other programs) trusts that CA.
+_FAKE_CA_PEM = """\
+-----BEGIN CERTIFICATE-----
+MIIBbzCCARWgAwIBAgIBATAKBggqhkjOPQQDAjAeMRwwGgYDVQQDDBNhbmRwdXNo
+IGZha2UgRkNNIENBMCAXDTAwMDEwMTAwMDAwMFoYDzIxMjUxMjMxMjM1OTU5WjAe
+MRwwGgYDVQQDDBNhbmRwdXNoIGZha2UgRkNNIENBMFkwEwYHKoZIzj0CAQYIKoZI
+zj0DAQcDQgAEBASdZ+v6vTnRcU4JjBnHPl7Vw9SCd06wjUXRju7Jur68HToB2bIH
+I9K/WgX17BmrvvtTlGg5Jk621INioPuKJaNCMEAwDwYDVR0TAQH/BAUwAwEB/zAO
+BgNVHQ8BAf8EBAMCAQYwHQYDVR0OBBYEFBx5l7GTTzA4lxF8tpFpPTUBpa5KMAoG
+CCqGSM49BAMCA0gAMEUCICojMHT5kAFy2zZeNGIOyIPT7GVBL1pkM2E65XKjN3Xo
+AiEAxbpV7gWk3YScS43n4w9BfAJdhJVpr/AYLrzJmV2t/vU=
+-----END CERTIFICATE-----
+"""
+_FAKE_CERT_PEM = """\
+-----BEGIN CERTIFICATE-----
+MIIBtDCCAVmgAwIBAgIBAjAKBggqhkjOPQQDAjAeMRwwGgYDVQQDDBNhbmRwdXNo
+IGZha2UgRkNNIENBMCAXDTAwMDEwMTAwMDAwMFoYDzIxMjUxMjMxMjM1OTU5WjAU
+MRIwEAYDVQQDDAlsb2NhbGhvc3QwWTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAAQf
+nk003Q1JrNv74oDZHQHMTLCMZt4v3ZH/eiXhmL20No1qWgpbkS/uljWWUlgvOPEm
+Suk6Wles0GgFz6BmQfjZo4GPMIGMMBoGA1UdEQQTMBGCCWxvY2FsaG9zdIcEfwAA
+ATAJBgNVHRMEAjAAMA4GA1UdDwEB/wQEAwIHgDATBgNVHSUEDDAKBggrBgEFBQcD
+ATAdBgNVHQ4EFgQU06gzJk+bIKrkz+BQqYhI/8sExR8wHwYDVR0jBBgwFoAUHHmX
+sZNPMDiXEXy2kWk9NQGlrkowCgYIKoZIzj0EAwIDSQAwRgIhANpW+N5SIwUR/quc
+r+sf/3Eq0+FKfuxNJ/1nAvjRNfbSAiEAweJuwQSkc2kvIeDVysV3CQyvK0J0XOhK
+U7xGB4I6Kd4=
+-----END CERTIFICATE-----
+"""
+_FAKE_CERT_KEY_PEM = """\
+-----BEGIN PRIVATE KEY-----
+MIGHAgEAMBMGByqGSM49AgEGCCqGSM49AwEHBG0wawIBAQQgYMUU8qkpqEb1Mu/x
+QHj8OPV8lvD/FhlMqOCA0TPxzP+hRANCAAQfnk003Q1JrNv74oDZHQHMTLCMZt4v
+3ZH/eiXhmL20No1qWgpbkS/uljWWUlgvOPEmSuk6Wles0GgFz6BmQfjZ
+-----END PRIVATE KEY-----
+"""
+# The private key of the fake's service account (2048-bit RSA, made once with openssl): as
+# public as the one above. Its token endpoint checks JWT signatures with the public half.
+_FAKE_ACCOUNT_KEY_PEM = """\
+-----BEGIN PRIVATE KEY-----
+MIIEvwIBADANBgkqhkiG9w0BAQEFAASCBKkwggSlAgEAAoIBAQCqIUkx+KJh/6dP
+Euoj/HcNw1OQLxJWf7Po95awzCuvUFzGq7o56K9q8qHvtMvC8p6y3bvMODx/KQu0
+m2ZgQh+kSHahzWWqpAAxMtjA49ngxZUtiQHA672MaSrl/mC8NFVJtVT2LqntNlAc
+qbKaFToCOL+pILbt+zz9R1/4gAkVo6h6ow79V0+5Ww/iDcYQyFZE/HqB5+DdYVZE
+LiTzl1M+0/n7lpszxmBxOLcw4FANycFy2xtj1dRJLzg8T6mUwMGPTuODNj0pDcaI
+n70RYtqaizuPhzunxnD6raHP/thqE2Ml+r6RDWE7rrWxah5mLu6oUwRu91oWYYW9
+KzFy/msfAgMBAAECggEAEIYgHLux7EPChWJO0UT1otjfiZSdoT7qnSXjAg2Q8Dul
+by4BurS+lbjpzb7cWMIFp1WOJm7Cpw64ONTF5wzoRtjU6n015fkWan2uSMafBEvp
+SjcEfEji3zuqgEeQyYBpu9MVZL3LU/AfbGrdBazD6bBT75wIuGkoMM9yyYK7nyX4
+Erry3WPhVBKRfv40hDj7T3LkQj3L9hnIoSPVrWC384kc0am6c9shu2u1U2URyCIM
+KNINS6hMWwDHtIg8dTP8BfjhO91lzmhd0xWQea3duCHt5RCuNETSLnhYzwFmmEUT
+WJfpxyNAgEtUrGp7cv3nrr9FCAwA0tutdHAJkgkMkQKBgQDVCia1fHdkqoBS4KUN
+9ZWeigKpo+djqO4HXAPbUjYbbj/QJAmH4jSYfytHbl1Nkx3dpUegfKmzIYShT4TQ
+qfSw6Y/+O8JbHxMLRF8V4VJbwuW5kuizzY2JVTDCcKLmEb6wVU/U5WjKk5pMkWeR
+TT48DoDT/RJ0E6r3zLVqyXgRDwKBgQDMb/18aT+wTzQWh0dhzRtWbfpxZ39Gwf32
+eXdnsWDweUp7VTLMIBDQdBum2roseIO7gHYnBhu9eXTWeRhtqX5NZw/LQ6eh+K2/
+s1wByxNCLnio1WljRKJc1YwWgFVlJxbMWc4HP7JLEqoSRbM48jppDEiXkT4ir2Oo
+Dmknv+vk8QKBgQCHwg9Gyck/ohNiPPuReLVesS3fMq6KaKU+lVlz0uDd/BS4K67T
+I8hGgYtv2pmkjKKUkvWhBLATkcF2FjlZy2Q9tKjo5uYEsTmujWRWih60kO9ZoY+e
+vNd784i9748vM5Gjxsm3rnVn2kWSk3o/Msz88nUQIg43YC0r+gyFv1s+6wKBgQDK
+ID+jbfwGOYjqbT3qOHw66+mdjhKMxuhtdJLV9s49c+5sGkRrBZkaQHHGeqNvrIey
+LsSiuKtcnmUiWAALDHVP2gIHmhB3WAORcagaLcoQuRma88WK3CUbXBdxd9j2dbtY
+t8G38QY6q21zO26DcxrFGdv73yJr8LS7R+Q35M06QQKBgQCeV8CDT3R1zWIWpjLn
+T/zpRGc9itxv6TfC361UKhCTTZC1WCTiMc9xT1SKvJisfhNq5LEnquqK8xL8dE0K
+OfyHHq+a2cvXxwx67PT9iBVh6iTyt9ybN1ylyFgqmcdki5KUzFyvkPpboafLGy5q
+E0BcxHSEo2itmcKr7LPD7yJlIQ==
+-----END PRIVATE KEY-----
+"""
+_FAKE_KEY_ID = "fake-key-1"
+_FAKE_PROJECT = "fake-project"
+_FAKE_ACCESS_TOKEN = "fake-access-token"  # taken without an OAuth2 round trip (curl)
+_FAKE_SERVER_KEY = "fake-server-key"
+_FAKE_PROJECT_ID = r"[a-z][a-z0-9\-]{2,61}[a-z0-9]\Z"  # Google's rule, a little looser
+_FAKE_RECORDED = 10000       # messages a FakeFCM remembers by default: the newest ones
+_FAKE_STREAMS = 100          # HTTP/2 streams at once per connection, as Google's front end
+_FAKE_IDLE_TIMEOUT = 240.0   # seconds an idle connection is kept, as Google's (about 4 min)
+_FAKE_TOKEN_LIFETIME = 3600  # seconds an access token the fake issues is good for
+_FAKE_CLOCK_SKEW = 60        # seconds a JWT's iat may be ahead of the fake's clock
+_FAKE_MAX_BODY = 1 << 20     # bytes of a request body it reads (FCM takes far less)
+_FAKE_WINDOW = 1 << 20       # bytes an HTTP/2 client may send ahead, per stream and in all
+_FAKE_LINGER = 1.0           # seconds a closed connection is read from (so no RST cuts the
+                             # last answer) or waits for its answer to be taken
+_FAKE_SCAN = 1.0             # seconds between two looks for idle connections, at most
+_SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
+_FAKE_MESSAGE_SUFFIX = "31bd1c9631bd1c96"  # legacy message ids look like "0:<number>%<hex>"
+_FAKE_MULTICAST_BASE = 6000000000000000000  # legacy multicast ids are large positive ints
+_JOIN_WAIT = 5.0             # seconds close() waits for the fake's thread
+_SCOPE_CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"  # google-auth's
+_JWT_BEARER = "urn:ietf:params:oauth:grant-type:jwt-bearer"
+_JSON_TYPE = "application/json; charset=UTF-8"
+_TEXT_TYPE = "text/plain; charset=UTF-8"
+_MAX_CONDITION_TOPICS = 5
+_CONDITION_PART = r"\s*(?:(&&|\|\||!|\(|\))|(['\"])([a-zA-Z0-9\-_.~%]{1,900})\2\s+in\s+topics\b)"
+_REGISTRATION = r"/v1/projects/([^/]+)/registrations/([^/]+)/topicSubscriptions(?:/([^/]+))?\Z"
+_V1_REQUEST_FIELDS = frozenset(("message", "validate_only", "validateOnly"))
+
+# FCM's answers for each error a test scripts: HTTP status, canonical status, whether the
+# FcmError detail carries the code, and FCM's message.
+_FAKE_ERRORS = {
+    "INVALID_ARGUMENT": (400, "INVALID_ARGUMENT", True, "Request contains an invalid argument."),
+    "UNREGISTERED": (404, "NOT_FOUND", True, "Requested entity was not found."),
+    "SENDER_ID_MISMATCH": (403, "PERMISSION_DENIED", True, "SenderId mismatch"),
+    "QUOTA_EXCEEDED": (429, "RESOURCE_EXHAUSTED", True, "Quota exceeded for sending messages."),
+    "UNAVAILABLE": (503, "UNAVAILABLE", True, "The service is currently unavailable."),
+    "INTERNAL": (500, "INTERNAL", True, "Internal error encountered."),
+    "THIRD_PARTY_AUTH_ERROR": (401, "UNAUTHENTICATED", True,
+                               "Auth error from APNS or Web Push Service"),
+    "UNAUTHENTICATED": (401, "UNAUTHENTICATED", False,
+                        "Request had invalid authentication credentials. Expected OAuth 2 "
+                        "access token, login cookie or other valid authentication credential."),
+    "PERMISSION_DENIED": (403, "PERMISSION_DENIED", False,
+                          "Permission 'cloudmessaging.messages.create' denied on resource."),
+    "NOT_FOUND": (404, "NOT_FOUND", False, "Requested entity was not found."),
+    "ALREADY_EXISTS": (409, "ALREADY_EXISTS", False, "Requested entity already exists"),
+}
+
+
+class _FakeRequest:
+    """One request as a FakeFCM read it: ``headers`` with lower-case names (repeats joined
+    with ", "), ``stream`` its HTTP/2 stream (0 over HTTP/1.1)."""
+
+    __slots__ = ("method", "path", "headers", "body", "protocol", "connection", "stream")
+
+    def __init__(self, method: str, path: str, headers: Dict[str, str], body: bytes,
+                 protocol: str, connection: int, stream: int = 0) -> None:
+        self.method = method
+        self.path = path
+        self.headers = headers
+        self.body = body
+        self.protocol = protocol
+        self.connection = connection
+        self.stream = stream
+
+    def __repr__(self) -> str:
+        return "<request %s %s over %s, connection %d>" % (
+            self.method, self.path.partition("?")[0], self.protocol, self.connection)
+
+
+class _FakeAnswer:
+    """What the fake answers a request: status, headers, body, and when: ``delay``
+    seconds later (inf: never), or not at all with the connection ``dropped``."""
+
+    __slots__ = ("status", "headers", "body", "delay", "dropped")
+
+    def __init__(self, status: int, headers: Tuple[Tuple[str, str], ...], body: bytes,
+                 delay: float = 0.0, dropped: bool = False) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+        self.delay = delay
+        self.dropped = dropped
+
+
+_JSON_HEADERS = (("content-type", _JSON_TYPE),)
+_TEXT_HEADERS = (("content-type", _TEXT_TYPE),)
+
+
+def _json_answer(status: int, value: object, headers: Tuple[Tuple[str, str], ...] = ()
+                 ) -> _FakeAnswer:
+    return _FakeAnswer(status, _JSON_HEADERS + headers, _JSON_ENCODE(value).encode("utf-8"))
+
+
+def _text_answer(status: int, text: str) -> _FakeAnswer:
+    return _FakeAnswer(status, _TEXT_HEADERS, text.encode("utf-8"))
+
+
+def _fcm_error(code: str, message: str = "", retry_after: Optional[float] = None
+               ) -> _FakeAnswer:
+    """FCM's error envelope for ``code`` (a key of _FAKE_ERRORS), as the v1 API sends it."""
+    status, state, detailed, default = _FAKE_ERRORS[code]
+    error: Dict[str, Any] = {"code": status, "message": message or default, "status": state}
+    if detailed:
+        error["details"] = [{"@type": _FCM_ERROR_TYPE, "errorCode": code}]
+    headers = () if retry_after is None else (("retry-after", "%g" % retry_after),)
+    return _json_answer(status, {"error": error}, headers)
+
+
+# HTTP/1.1, the server's side ---------------------------------------------------------
+
+class _FakeH1:
+    """The server side of one HTTP/1.1 connection, without a socket.
+
+    ``receive`` takes the bytes read and returns the request they complete, if any;
+    ``answer`` queues an answer in ``outgoing`` and returns the next request, if the bytes
+    already read hold one: requests are read one at a time, and each is answered before
+    the next is read, as a client that pipelines expects. ``ended``: close once
+    ``outgoing`` is written (the client asked, or its request was malformed).
+    """
+
+    protocol = "HTTP/1.1"
+
+    def __init__(self, connection: int) -> None:
+        self.connection = connection
+        self.outgoing = bytearray()
+        self.ended = False
+        self.waiting = False       # a request was read and is not answered yet
+        self._buffer = bytearray()
+        self._keep = True          # the request being answered lets the connection stay
+        self._continued = False    # "100 Continue" sent for the request being read
+
+    @property
+    def idle(self) -> bool:
+        """Whether no request is under way: none waits for its answer, none is half read."""
+        return not self.waiting and not self._buffer
+
+    def receive(self, data: bytes) -> List[_FakeRequest]:
+        self._buffer += data
+        return self._next()
+
+    def answer(self, request: _FakeRequest, status: int, headers: Iterable[Tuple[str, str]],
+               body: bytes) -> List[_FakeRequest]:
+        if not self.waiting or self.ended:
+            return []
+        self.waiting = False
+        lines = ["HTTP/1.1 %d %s" % (status, _phrase(status))]
+        lines.extend("%s: %s" % field for field in headers)
+        lines.append("Content-Length: %d" % len(body))
+        if not self._keep:
+            lines.append("Connection: close")
+            self.ended = True
+        self.outgoing += ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        return self._next()
+
+    def _next(self) -> List[_FakeRequest]:
+        if self.waiting or self.ended:
+            return []
+        try:
+            request = self._parse()
+        except _ProtocolError as exc:
+            self.waiting, self._keep = True, False
+            self.answer(_FakeRequest("", "", {}, b"", self.protocol, self.connection),
+                        400, _TEXT_HEADERS, ("fake FCM: %s\n" % exc).encode("utf-8"))
+            return []
+        if request is not None:
+            self.waiting = True
+            return [request]
+        return []
+
+    def _parse(self) -> Optional[_FakeRequest]:
+        """The request at the start of the buffer, once whole (it is then consumed)."""
+        buffer = self._buffer
+        end = buffer.find(b"\r\n\r\n", 0, _MAX_HEAD)
+        if end < 0:
+            if len(buffer) >= _MAX_HEAD:
+                raise _ProtocolError("the request head exceeds %d bytes" % _MAX_HEAD)
+            return None
+        lines = buffer[:end].decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ")
+        if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0"):
+            raise _ProtocolError("a malformed request line")
+        headers = _parse_header_lines(lines[1:])
+        if "transfer-encoding" in headers:
+            raise _ProtocolError("a chunked request: send Content-Length instead")
+        length = headers.get("content-length", "0")
+        if not _is_digits(length) or len(length) > 9 or int(length) > _FAKE_MAX_BODY:
+            raise _ProtocolError("a Content-Length that is not 0 to %d" % _FAKE_MAX_BODY)
+        start = end + 4
+        if len(buffer) < start + int(length):
+            if headers.get("expect", "").lower() == "100-continue" and not self._continued:
+                self._continued = True
+                self.outgoing += b"HTTP/1.1 100 Continue\r\n\r\n"
+            return None
+        body = bytes(buffer[start:start + int(length)])
+        del buffer[:start + int(length)]
+        self._continued = False
+        connection = headers.get("connection", "").lower()
+        self._keep = "close" not in connection and (
+            parts[2] == "HTTP/1.1" or "keep-alive" in connection)
+        return _FakeRequest(parts[0], parts[1], headers, body, self.protocol, self.connection)
+
+
+# HTTP/2, the server's side -----------------------------------------------------------
+
+class _FakeStream:
+    """One request stream of a _FakeH2: what came of it, and the answer's DATA to send."""
+
+    __slots__ = ("id", "fields", "body", "window", "send_window", "pending", "read")
+
+    def __init__(self, stream_id: int, fields: Tuple[Tuple[str, str], ...],
+                 send_window: int) -> None:
+        self.id = stream_id
+        self.fields = fields
+        self.body = bytearray()
+        self.window = _FAKE_WINDOW       # DATA bytes the client may still send on it
+        self.send_window = send_window   # DATA bytes of the answer the client lets us send
+        self.pending = b""               # the answer's DATA waiting for window
+        self.read = False                # the request is whole and was handed over
+
+
+class _FakeH2:
+    """The server side of one HTTP/2 connection, as Google's front end speaks it, without
+    a socket or a clock.
+
+    ``receive`` takes the bytes read and returns the requests they complete (_H2Error
+    when the client broke HTTP/2: then ``abort``); ``answer`` queues one; ``outgoing``
+    holds the bytes to write. Once the client has acknowledged the SETTINGS, a stream
+    beyond their MAX_CONCURRENT_STREAMS ends the whole connection with a GOAWAY, as
+    Google's does. After ``go_away`` the streams up to its last stream id are still
+    answered, the later ones are not processed, and ``ended`` comes once all are answered.
+    """
+
+    protocol = "HTTP/2"
+
+    def __init__(self, connection: int, max_streams: int = _FAKE_STREAMS) -> None:
+        self.connection = connection
+        self.outgoing = bytearray()
+        self.ended = False
+        self.streams: Dict[int, _FakeStream] = {}  # opened, not yet answered in full
+        self.last_stream_id: Optional[int] = None  # of the GOAWAY sent, once one is
+        self._in = bytearray()
+        self._preface = False
+        self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
+        self._block: Optional[Tuple[int, bool, bytearray]] = None
+        self._highest = 0                          # the highest stream id opened
+        self._limit = _H2_LAST_STREAM              # binds once our SETTINGS are acknowledged
+        self._unacked: Deque[Dict[int, int]] = collections.deque()
+        self._window = _FAKE_WINDOW                # DATA bytes the client may still send
+        self._peer_window = _H2_DEFAULT_WINDOW
+        self._peer_initial_window = _H2_DEFAULT_WINDOW
+        self._peer_frame = _H2_FRAME
+        self._blocked: Dict[int, _FakeStream] = {}  # answers whose DATA waits for window
+        self._heads: Dict[Tuple[Tuple[str, str], ...], Tuple[str, str, Dict[str, str]]] = {}
+        self._answers: Dict[Tuple[Any, ...], bytes] = {}  # header blocks of answers
+        self.settings({_SETTINGS_MAX_CONCURRENT_STREAMS: max_streams,
+                       _SETTINGS_INITIAL_WINDOW_SIZE: _FAKE_WINDOW,
+                       _SETTINGS_MAX_HEADER_LIST_SIZE: _MAX_HEAD})
+        self.outgoing += _frame(_WINDOW_UPDATE, 0, 0,
+                                (_FAKE_WINDOW - _H2_DEFAULT_WINDOW).to_bytes(4, "big"))
+
+    @property
+    def idle(self) -> bool:
+        """Whether no stream is open."""
+        return not self.streams
+
+    def settings(self, values: Dict[int, int]) -> None:
+        """Queue a SETTINGS frame; its limits bind once the client acknowledges it."""
+        self._unacked.append(values)
+        self.outgoing += _frame(_SETTINGS, 0, 0, b"".join(
+            name.to_bytes(2, "big") + value.to_bytes(4, "big") for name, value in values.items()))
+
+    def receive(self, data: bytes) -> List[_FakeRequest]:
+        buffer = self._in
+        if buffer:
+            buffer += data
+            data = bytes(buffer)
+        elif type(data) is not bytes:
+            data = bytes(data)
+        offset = 0
+        if not self._preface:
+            if len(data) < len(_H2_PREFACE):
+                if not _H2_PREFACE.startswith(data):
+                    raise _H2Error("no HTTP/2 client preface")
+                buffer[:] = data
+                return []
+            if not data.startswith(_H2_PREFACE):
+                raise _H2Error("no HTTP/2 client preface")
+            self._preface = True
+            offset = len(_H2_PREFACE)
+        done: List[_FakeRequest] = []
+        end = len(data)
+        unpack = _FRAME_HEAD.unpack_from
+        while end - offset >= 9:
+            head, flags, stream_id = unpack(data, offset)
+            length = head >> 8
+            if length > _H2_FRAME:
+                raise _H2Error("a frame of %d bytes" % length, _FRAME_SIZE_ERROR)
+            stop = offset + 9 + length
+            if stop > end:
+                break
+            self._on_frame(head & 0xFF, flags, stream_id & _H2_LAST_STREAM,
+                           data[offset + 9:stop], done)
+            offset = stop
+        if offset < end:
+            buffer[:] = data[offset:]
+        elif buffer:
+            buffer.clear()
+        return done
+
+    def answer(self, request: _FakeRequest, status: int, headers: Iterable[Tuple[str, str]],
+               body: bytes) -> List[_FakeRequest]:
+        """Queue the answer of ``request``'s stream, if it is still open; the DATA goes as
+        far as the client's windows allow, the rest when they grow."""
+        stream = self.streams.get(request.stream)
+        if stream is None or stream.pending:
+            return []  # gone (reset by the client, beyond a GOAWAY), or answered already
+        key = (status, len(body), *headers)
+        block = self._answers.get(key)
+        if block is None:
+            block = _hpack_encode([(":status", str(status)), *headers,
+                                   ("content-length", str(len(body)))])
+            if len(self._answers) >= _H2_ANSWER_CACHE:
+                self._answers.clear()
+            self._answers[key] = block
+        self._send_headers(stream.id, block, not body)
+        if body:
+            stream.pending = body
+            self._send_data(stream)
+        else:
+            self._done(stream)
+        return []
+
+    def go_away(self, code: int = _NO_ERROR, last: Optional[int] = None,
+                debug: bytes = b"") -> None:
+        """Queue a GOAWAY: the streams opened up to ``last`` (by default all) are still
+        answered; those above it were not processed, and are forgotten."""
+        last = self._highest if last is None else last
+        if self.last_stream_id is not None:
+            last = min(last, self.last_stream_id)
+        self.last_stream_id = last
+        self.outgoing += _frame(_GOAWAY, 0, 0, last.to_bytes(4, "big") + code.to_bytes(4, "big")
+                                + debug)
+        for stream_id in [s for s in self.streams if s > last]:
+            self._forget(stream_id)
+        self.ended = not self.streams
+
+    def abort(self, error: _H2Error, debug: bytes = b"") -> None:
+        """End the connection at once: a GOAWAY with the error's code, no stream answered."""
+        self.go_away(error.code, self._highest, debug)
+        self.streams.clear()
+        self._blocked.clear()
+        self.ended = True
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes,
+                  done: List[_FakeRequest]) -> None:
+        if self._block is not None and kind != _CONTINUATION:
+            raise _H2Error("a header block was interrupted")
+        if kind == _DATA:
+            self._on_data(flags, stream_id, payload, done)
+        elif kind == _HEADERS:
+            if flags & _PADDED:
+                payload = self._unpadded(payload)
+            if flags & _PRIORITY_FLAG:
+                payload = payload[5:]
+            if flags & _END_HEADERS:
+                self._on_headers(stream_id, bool(flags & _END_STREAM), payload, done)
+            else:
+                self._block = (stream_id, bool(flags & _END_STREAM), bytearray(payload))
+        elif kind == _CONTINUATION:
+            if self._block is None or self._block[0] != stream_id:
+                raise _H2Error("a CONTINUATION frame out of place")
+            self._block[2].extend(payload)
+            if len(self._block[2]) > _MAX_HEAD:
+                raise _H2Error("a header block over %d bytes" % _MAX_HEAD)
+            if flags & _END_HEADERS:
+                stream_id, end_stream, block = self._block
+                self._block = None
+                self._on_headers(stream_id, end_stream, bytes(block), done)
+        elif kind == _RST_STREAM:
+            self._forget(stream_id)
+        elif kind == _SETTINGS:
+            self._on_settings(flags, payload)
+        elif kind == _PING:
+            if len(payload) != 8:
+                raise _H2Error("a PING frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+            if not flags & _ACK:
+                self.outgoing += _frame(_PING, _ACK, 0, payload)
+        elif kind == _GOAWAY:
+            self.go_away()  # the client opens no more: answer what it sent, then end
+        elif kind == _WINDOW_UPDATE:
+            self._on_window_update(stream_id, payload)
+        elif kind == _PUSH_PROMISE:
+            raise _H2Error("PUSH_PROMISE from a client")
+
+    @staticmethod
+    def _unpadded(payload: bytes) -> bytes:
+        if not payload or payload[0] >= len(payload):
+            raise _H2Error("bad padding")
+        return payload[1:len(payload) - payload[0]]
+
+    def _on_headers(self, stream_id: int, end_stream: bool, block: bytes,
+                    done: List[_FakeRequest]) -> None:
+        try:
+            fields = self._decoder.decode(block)  # always: it may change the dynamic table
+        except _HPACKError as exc:
+            raise _H2Error("undecodable headers: %s" % exc, _COMPRESSION_ERROR) from None
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # trailers
+            if end_stream and not stream.read:
+                self._read(stream, done)
+            return
+        if not stream_id % 2:
+            raise _H2Error("a stream with an even id from a client")
+        if stream_id <= self._highest:
+            return  # the trailers of a stream already answered, or one beyond our GOAWAY
+        if self.last_stream_id is None and len(self.streams) >= self._limit:
+            self.abort(_H2Error("a stream too many", _PROTOCOL_ERROR),
+                       b"exceeded_max_concurrent_streams")
+        self._highest = stream_id
+        if self.last_stream_id is not None and stream_id > self.last_stream_id:
+            return  # opened after a GOAWAY: not processed, as the client knows
+        stream = self.streams[stream_id] = _FakeStream(stream_id, fields,
+                                                       self._peer_initial_window)
+        if end_stream:
+            self._read(stream, done)
+
+    def _on_data(self, flags: int, stream_id: int, payload: bytes,
+                 done: List[_FakeRequest]) -> None:
+        size = len(payload)
+        self._window -= size
+        if self._window < 0:
+            raise _H2Error("DATA beyond the connection's window", _FLOW_CONTROL_ERROR)
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.read:
+            if stream_id == 0 or stream_id > self._highest:
+                raise _H2Error("DATA on a stream that was never opened")
+            self._replenish(None)
+            return  # a stream answered early, reset, or beyond our GOAWAY
+        stream.window -= size
+        if stream.window < 0:
+            raise _H2Error("DATA beyond a stream's window", _FLOW_CONTROL_ERROR)
+        if flags & _PADDED:
+            payload = self._unpadded(payload)
+        stream.body += payload
+        if len(stream.body) > _FAKE_MAX_BODY:  # answered at once; the rest is dropped
+            self.answer(_FakeRequest("", "", {}, b"", self.protocol, self.connection, stream_id),
+                        413, _TEXT_HEADERS, b"fake FCM: the request body is too large\n")
+            self._replenish(None)
+        elif flags & _END_STREAM:
+            self._read(stream, done)
+            self._replenish(None)
+        else:
+            self._replenish(stream)
+
+    def _replenish(self, stream: Optional[_FakeStream]) -> None:
+        """Give the client its windows back once it has used half of one: the connection's,
+        and that of ``stream``, which goes on sending."""
+        if self._window <= _FAKE_WINDOW // 2:
+            self.outgoing += _frame(_WINDOW_UPDATE, 0, 0,
+                                    (_FAKE_WINDOW - self._window).to_bytes(4, "big"))
+            self._window = _FAKE_WINDOW
+        if stream is not None and stream.window <= _FAKE_WINDOW // 2:
+            self.outgoing += _frame(_WINDOW_UPDATE, 0, stream.id,
+                                    (_FAKE_WINDOW - stream.window).to_bytes(4, "big"))
+            stream.window = _FAKE_WINDOW
+
+    def _read(self, stream: _FakeStream, done: List[_FakeRequest]) -> None:
+        """The stream's request is whole: hand it over."""
+        stream.read = True
+        head = self._heads.get(stream.fields)
+        if head is None:
+            head = self._head(stream.fields)
+        method, path, headers = head
+        done.append(_FakeRequest(method, path, dict(headers), bytes(stream.body), self.protocol,
+                                 self.connection, stream.id))
+
+    def _head(self, fields: Tuple[Tuple[str, str], ...]) -> Tuple[str, str, Dict[str, str]]:
+        """The method, path and headers of a request's fields, remembered: a client sends
+        the same few again and again (the decoder gives each the same tuple)."""
+        method = path = ""
+        headers: Dict[str, str] = {}
+        for name, value in fields:
+            if name[:1] == ":":
+                if name == ":method":
+                    method = value
+                elif name == ":path":
+                    path = value
+            elif name in headers:
+                headers[name] += ", " + value
+            else:
+                headers[name] = value
+        if len(self._heads) >= _H2_BLOCK_CACHE:
+            self._heads.clear()
+        head = self._heads[fields] = (method, path, headers)
+        return head
+
+    def _on_settings(self, flags: int, payload: bytes) -> None:
+        if flags & _ACK:
+            if self._unacked:
+                self._limit = self._unacked.popleft().get(_SETTINGS_MAX_CONCURRENT_STREAMS,
+                                                          self._limit)
+            return
+        if len(payload) % 6:
+            raise _H2Error("a SETTINGS frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+        for offset in range(0, len(payload), 6):
+            name = int.from_bytes(payload[offset:offset + 2], "big")
+            value = int.from_bytes(payload[offset + 2:offset + 6], "big")
+            if name == _SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > _H2_LAST_STREAM:
+                    raise _H2Error("a window above 2^31-1", _FLOW_CONTROL_ERROR)
+                for stream in self.streams.values():
+                    stream.send_window += value - self._peer_initial_window
+                self._peer_initial_window = value
+            elif name == _SETTINGS_MAX_FRAME_SIZE:
+                if not _H2_FRAME <= value <= 16777215:
+                    raise _H2Error("a frame size of %d" % value)
+                self._peer_frame = value
+        self.outgoing += _frame(_SETTINGS, _ACK, 0)
+        self._unblock()
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _H2Error("a WINDOW_UPDATE frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+        increment = int.from_bytes(payload, "big") & _H2_LAST_STREAM
+        if stream_id == 0:
+            self._peer_window += increment
+        elif stream_id in self.streams:
+            self.streams[stream_id].send_window += increment
+        self._unblock()
+
+    def _send_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
+        """HEADERS, then CONTINUATION frames if the block is larger than a frame."""
+        size = self._peer_frame
+        first, rest = block[:size], block[size:]
+        flags = (_END_STREAM if end_stream else 0) | (0 if rest else _END_HEADERS)
+        self.outgoing += _frame(_HEADERS, flags, stream_id, first)
+        while rest:
+            piece, rest = rest[:size], rest[size:]
+            self.outgoing += _frame(_CONTINUATION, 0 if rest else _END_HEADERS, stream_id, piece)
+
+    def _send_data(self, stream: _FakeStream) -> None:
+        while stream.pending:
+            size = min(len(stream.pending), self._peer_frame, self._peer_window,
+                       stream.send_window)
+            if size <= 0:
+                self._blocked[stream.id] = stream
+                return
+            piece, stream.pending = stream.pending[:size], stream.pending[size:]
+            self._peer_window -= size
+            stream.send_window -= size
+            self.outgoing += _frame(_DATA, 0 if stream.pending else _END_STREAM, stream.id, piece)
+        self._blocked.pop(stream.id, None)
+        self._done(stream)
+
+    def _unblock(self) -> None:
+        for stream in list(self._blocked.values()):
+            self._send_data(stream)
+
+    def _done(self, stream: _FakeStream) -> None:
+        """The stream is answered in full."""
+        if self.streams.pop(stream.id, None) is not None and not stream.read:
+            self.outgoing += _frame(_RST_STREAM, 0, stream.id, _NO_ERROR.to_bytes(4, "big"))
+        if self.last_stream_id is not None and not self.streams:
+            self.ended = True
+
+    def _forget(self, stream_id: int) -> None:
+        self.streams.pop(stream_id, None)
+        self._blocked.pop(stream_id, None)
+        if self.last_stream_id is not None and not self.streams:
+            self.ended = True
+
+
+# What FCM checks besides the messages ------------------------------------------------
+
+def _parse_condition(condition: str) -> Tuple[Any, ...]:
+    """An FCM topic condition such as ``"'a' in topics && !('b' in topics || 'c' in
+    topics)"`` as a tree of ("topic", name), ("not", x), ("and", x, y), ("or", x, y):
+    ``!`` binds tightest, then ``&&``, then ``||``. ValueError if it is not one, or names
+    more than five topics, as FCM allows."""
+    pattern = re.compile(_CONDITION_PART)
+    items: List[Any] = []
+    position, end = 0, len(condition.rstrip())
+    while position < end:
+        match = pattern.match(condition, position)
+        if match is None:
+            raise ValueError("message condition is not a topic condition at %r (write "
+                             "\"'a' in topics && ('b' in topics || 'c' in topics)\")"
+                             % condition[position:position + 20])
+        items.append(match.group(1) or ("topic", match.group(3)))
+        position = match.end()
+    if sum(1 for item in items if isinstance(item, tuple)) > _MAX_CONDITION_TOPICS:
+        raise ValueError("message condition names more than %d topics" % _MAX_CONDITION_TOPICS)
+    tree, rest = _condition_or(items)
+    if rest:
+        raise ValueError("message condition has %r where it should end" % (rest[0],))
+    return tree
+
+
+def _condition_or(items: List[Any]) -> Tuple[Tuple[Any, ...], List[Any]]:
+    tree, items = _condition_and(items)
+    while items[:1] == ["||"]:
+        right, items = _condition_and(items[1:])
+        tree = ("or", tree, right)
+    return tree, items
+
+
+def _condition_and(items: List[Any]) -> Tuple[Tuple[Any, ...], List[Any]]:
+    tree, items = _condition_not(items)
+    while items[:1] == ["&&"]:
+        right, items = _condition_not(items[1:])
+        tree = ("and", tree, right)
+    return tree, items
+
+
+def _condition_not(items: List[Any]) -> Tuple[Tuple[Any, ...], List[Any]]:
+    if not items:
+        raise ValueError("message condition ends where a topic should come")
+    first, rest = items[0], items[1:]
+    if first == "!":
+        tree, rest = _condition_not(rest)
+        return ("not", tree), rest
+    if first == "(":
+        tree, rest = _condition_or(rest)
+        if rest[:1] != [")"]:
+            raise ValueError("message condition has a ( without its )")
+        return tree, rest[1:]
+    if isinstance(first, tuple):
+        return first, rest
+    raise ValueError("message condition has %r where a topic should come" % first)
+
+
+def _condition_reach(tree: Tuple[Any, ...], topics: Dict[str, Set[str]],
+                     everyone: Set[str]) -> Set[str]:
+    """The tokens a condition's tree reaches, of ``everyone`` subscribed to some topic."""
+    kind = tree[0]
+    if kind == "topic":
+        return topics.get(tree[1], set())
+    if kind == "not":
+        return everyone - _condition_reach(tree[1], topics, everyone)
+    left = _condition_reach(tree[1], topics, everyone)
+    right = _condition_reach(tree[2], topics, everyone)
+    return left & right if kind == "and" else left | right
+
+
+def _b64url_decode(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _jwt_problem(assertion: str, key: _RSAPrivateKey, email: str,
+                 audiences: Tuple[str, ...], now: float) -> Optional[Tuple[str, str]]:
+    """What Google's token endpoint says (error, description) of a service account's JWT
+    that it refuses: a bad signature, issuer, audience, scope or lifetime; None when the
+    JWT is good. google-auth asks for the cloud-platform scope among others, which covers
+    FCM; andpush asks for FCM's alone."""
+    import hashlib  # as for signing: most processes never need it
+
+    try:
+        header_b64, claims_b64, signature_b64 = assertion.split(".")
+        header = json.loads(_b64url_decode(header_b64))
+        claims = json.loads(_b64url_decode(claims_b64))
+        signature = int.from_bytes(_b64url_decode(signature_b64), "big")
+    except ValueError:  # binascii.Error, UnicodeDecodeError and JSON's errors too
+        return "invalid_grant", "Invalid JWT: it is not three base64url parts of JSON."
+    if not isinstance(header, dict) or not isinstance(claims, dict):
+        return "invalid_grant", "Invalid JWT: its header and claims must be JSON objects."
+    if header.get("alg") != "RS256":
+        return "invalid_grant", "Invalid JWT: the algorithm must be RS256."
+    digest = hashlib.sha256((header_b64 + "." + claims_b64).encode("ascii")).digest()
+    if pow(signature, key.e, key.n) != int.from_bytes(key.em_prefix + digest, "big"):
+        return "invalid_grant", "Invalid JWT Signature."
+    if claims.get("iss") != email:
+        return "invalid_grant", "Invalid grant: account not found"
+    if claims.get("aud") not in audiences:
+        return "invalid_grant", ("Invalid JWT: Failed audience check. The right audience is "
+                                 + audiences[0])
+    scopes = claims.get("scope")
+    if not isinstance(scopes, str) or not {FCM_SCOPE, _SCOPE_CLOUD_PLATFORM} & set(scopes.split()):
+        return "invalid_scope", "Invalid OAuth scope or ID token audience provided."
+    issued, expires = claims.get("iat"), claims.get("exp")
+    if not (isinstance(issued, (int, float)) and isinstance(expires, (int, float))
+            and issued <= now + _FAKE_CLOCK_SKEW and expires > now
+            and expires - issued <= _JWT_LIFETIME):
+        return "invalid_grant", ("Invalid JWT: Token must be a short-lived token (60 minutes) "
+                                 "and in a reasonable timeframe. Check your iat and exp values "
+                                 "in the JWT claim.")
+    return None
+
+
+def _fake_server_context(alpn: Tuple[str, ...]) -> ssl.SSLContext:
+    """The fake's TLS context offering ``alpn`` (none: no ALPN), made once per process: the
+    certificate is loaded from files (all that Python 3.8 takes), which costs more than
+    most tests' own work."""
+    context = _FAKE_CONTEXTS.get(alpn)
+    if context is None:
+        import tempfile  # only the fake writes files
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        with tempfile.TemporaryDirectory(prefix="fake-fcm-") as folder:
+            cert, key = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+            for path, text in ((cert, _FAKE_CERT_PEM), (key, _FAKE_CERT_KEY_PEM)):
+                with open(path, "w") as file:
+                    file.write(text)
+            context.load_cert_chain(cert, key)
+        if alpn:
+            context.set_alpn_protocols(list(alpn))
+        context = _FAKE_CONTEXTS.setdefault(alpn, context)
+    return context
+
+
+_FAKE_CONTEXTS = {}  # type: Dict[Tuple[str, ...], ssl.SSLContext]
+
+
+class ReceivedMessage:
+    """A message a FakeFCM received, and how it answered it.
+
+    ``message`` is the message as sent (the v1 ``message``, or the legacy request body;
+    None when the body held none); ``token``, ``topic`` and ``condition`` its target (None
+    but for the one it has); ``tokens`` the device tokens it reached: its token, or the
+    members of its topic or condition; none when it was refused, not answered, or sent
+    ``validate_only``. ``api`` is "v1" or "legacy"; ``status`` the HTTP status of the
+    answer (None when there is none: never answered, or the connection dropped);
+    ``error`` FCM's error code, if it answered one; ``name`` the message name (v1) or id
+    (legacy) it gave. ``headers`` are the request's (lower-case names), ``protocol``
+    "HTTP/1.1" or "HTTP/2", ``connection`` the connection's number (1, 2, ... in the order
+    they came), and ``time`` when it came (``time.time()``).
+    """
+
+    __slots__ = ("message", "token", "topic", "condition", "tokens", "validate_only", "api",
+                 "status", "error", "name", "headers", "protocol", "connection", "time")
+
+    def __init__(self, request: _FakeRequest, api: str, message: Optional[Dict[str, Any]],
+                 validate_only: bool, answer: _FakeAnswer, error: Optional[str],
+                 name: Optional[str], tokens: Tuple[str, ...]) -> None:
+        self.message = message
+        target = message or {}
+        token, topic, condition = target.get("token"), target.get("topic"), target.get("condition")
+        if api == "legacy":
+            to = target.get("to")
+            token, topic = (None, to[8:]) if isinstance(to, str) and to.startswith(
+                "/topics/") else (to, None)
+        self.token: Optional[str] = token if isinstance(token, str) else None
+        self.topic: Optional[str] = topic if isinstance(topic, str) else None
+        self.condition: Optional[str] = condition if isinstance(condition, str) else None
+        self.tokens = tokens
+        self.validate_only = validate_only
+        self.api = api
+        unanswered = answer.dropped or answer.delay == math.inf
+        self.status: Optional[int] = None if unanswered else answer.status
+        self.error = None if unanswered else error
+        self.name = None if unanswered else name
+        self.headers = request.headers
+        self.protocol = request.protocol
+        self.connection = request.connection
+        self.time = time.time()
+
+    def __repr__(self) -> str:  # no device token: a test's may be a real one
+        target = "token" if self.token else "topic %r" % self.topic if self.topic else \
+            "condition" if self.condition else "no target"
+        return "<andpush.ReceivedMessage %s to %s over %s: %s>" % (
+            self.api, target, self.protocol, self.error or self.status)
+
+
+class _FakeScript:
+    """How the next sends (``left`` of them; None: all) are answered, by FakeFCM.answer."""
+
+    __slots__ = ("error", "retry_after", "delay", "drop", "left")
+
+    def __init__(self, error: str, retry_after: Optional[float], delay: float, drop: bool,
+                 left: Optional[int]) -> None:
+        self.error = error
+        self.retry_after = retry_after
+        self.delay = delay
+        self.drop = drop
+        self.left = left
+
+
+def _take_script(scripts: Deque[_FakeScript]) -> _FakeScript:
+    script = scripts[0]
+    if script.left is not None:
+        script.left -= 1
+        if not script.left:
+            scripts.popleft()
+    return script
+
+
+class _FakeLink:
+    """One connection a FakeFCM accepted: the socket, TLS in memory (if its first byte
+    starts a TLS handshake), and the protocol ALPN or its first bytes chose. Only the
+    fake's thread touches it."""
+
+    __slots__ = ("sock", "number", "tls", "incoming", "encrypted", "secure", "handshaken",
+                 "protocol", "out", "writing", "sniffed", "since", "closing", "lingering",
+                 "closed", "deadline")
+
+    def __init__(self, sock: socket.socket, number: int, now: float) -> None:
+        self.sock = sock
+        self.number = number
+        self.tls: Optional[ssl.SSLObject] = None
+        self.incoming = ssl.MemoryBIO()
+        self.encrypted = ssl.MemoryBIO()
+        self.secure: Optional[bool] = None   # TLS or not: known from the first byte
+        self.handshaken = False
+        self.protocol: Union[None, _FakeH1, _FakeH2] = None
+        self.out = bytearray()               # raw bytes the socket has not taken yet
+        self.writing = False                 # the selector waits for it to take more
+        self.sniffed = b""                   # the first bytes, while they could be HTTP/2's
+        self.since = now                     # when it last read or answered a request
+        self.closing = ""                    # how it closes once ``out`` is written
+        self.lingering = False               # FIN sent: reading until the client's
+        self.closed = False
+        self.deadline = 0.0                  # when closing or lingering gives up
+
+
+class FakeFCM:
+    """A local FCM for tests: FCM's sends, topics and Google's token endpoint, with failures
+    a test scripts and a record of every message it received::
+
+        with andpush.FakeFCM() as fcm:
+            client = fcm.client()  # or fcm.async_client(): already pointed at the fake
+            client.push({"token": "t1", "notification": {"title": "Hi"}})
+            fcm.unregister("t2")
+            fcm.answer("QUOTA_EXCEEDED", retry_after=30)  # the next send: a 429
+            assert fcm.messages[0].token == "t1"
+
+    It listens on 127.0.0.1 (``port``: 0 for a free one) from a thread of its own, and
+    speaks HTTP/1.1 and HTTP/2 on that one port, with TLS (ALPN h2) or without:
+    ``endpoint`` is https://, and http:// works too. It checks a v1 message as FCM does
+    (andpush's own checks, the ones ``push()`` makes before sending) and answers FCM's
+    error envelope for what they refuse; bearer tokens must come from its token endpoint
+    (which checks the JWT of its service account, as Google does) or be ``access_token``;
+    the legacy API takes ``server_key``. Over HTTP/2 it allows 100 streams at once per
+    connection and ends the connection on one more, and idle connections are closed after
+    ``idle_timeout`` seconds (with a GOAWAY over HTTP/2), as Google's front end does.
+
+    It keeps the last ``max_recorded`` messages (``messages``), so that a load test of a
+    million pushes stays within bounds; ``counts`` counts everything.
+    """
+
+    def __init__(self, project_id: str = _FAKE_PROJECT, *, port: int = 0,
+                 max_recorded: int = _FAKE_RECORDED) -> None:
+        if not isinstance(project_id, str) or not re.match(_FAKE_PROJECT_ID, project_id):
+            raise ValueError("project_id must be a Firebase project id such as %r, got %r"
+                             % (_FAKE_PROJECT, project_id))
+        _check_number("port", port, minimum=0, integer=True)
+        _check_number("max_recorded", max_recorded, minimum=1, integer=True)
+        self.project_id = project_id
+        #: An access token the fake takes without the OAuth2 round trip, as for curl.
+        self.access_token = _FAKE_ACCESS_TOKEN
+        #: The legacy API's server key the fake takes.
+        self.server_key = _FAKE_SERVER_KEY
+        #: Messages a second above which sends are answered 429 QUOTA_EXCEEDED (None: no
+        #: limit), as FCM's project quota does.
+        self.quota: Optional[int] = None
+        self._idle_timeout = _FAKE_IDLE_TIMEOUT
+        self._port = port
+        self._send_path = "/v1/projects/%s/messages:send" % project_id
+        self._name_prefix = "projects/%s/messages/" % project_id  # (safe in JSON as it is)
+        self._client_email = "fake-sender@%s.iam.gserviceaccount.com" % project_id
+        self._account_key = _parse_private_key(_FAKE_ACCOUNT_KEY_PEM)
+        self._lock = threading.Lock()
+        self._recorded: Deque[ReceivedMessage] = collections.deque(maxlen=max_recorded)
+        self._counts = dict.fromkeys(("connections", "requests", "messages", "delivered",
+                                      "access_tokens"), 0)
+        self._scripts: Deque[_FakeScript] = collections.deque()
+        self._token_scripts: Dict[str, Deque[_FakeScript]] = {}
+        self._unregistered: Set[str] = set()
+        self._other_project: Set[str] = set()
+        self._topics: Dict[str, Set[str]] = {}
+        self._access_tokens: Dict[str, float] = {}  # issued, and when each expires
+        self._message_number = 0
+        self._quota_window = (0.0, 0)  # when the second began, and the sends in it
+        self._on_message: Optional[Callable[[ReceivedMessage], None]] = None
+        self._errors: List[str] = []  # the fake's own failures: tracebacks
+        self._folder = ""
+        # The thread's.
+        self._alpn: Tuple[str, ...] = ("h2", "http/1.1")
+        self._context: Optional[ssl.SSLContext] = None
+        self._listener: Optional[socket.socket] = None
+        self._thread: Optional[threading.Thread] = None
+        self._selector = selectors.DefaultSelector()
+        self._wake: Tuple[socket.socket, ...] = ()  # a pair that wakes the thread: start()'s
+        self._calls: Deque[Callable[[], None]] = collections.deque()
+        self._links: Set[_FakeLink] = set()
+        self._unflushed: Set[_FakeLink] = set()  # given answers by timers, not yet written
+        self._timers: List[Tuple[float, int, Callable[[], None]]] = []
+        self._timer_number = 0
+        self._next_scan = 0.0
+        self._stopping = False
+
+    @property
+    def idle_timeout(self) -> float:
+        """Seconds an idle connection stays open (240, as Google's front end)."""
+        return self._idle_timeout
+
+    @idle_timeout.setter
+    def idle_timeout(self, seconds: float) -> None:
+        _check_number("idle_timeout", seconds, minimum=0, exclusive=True)
+        self._idle_timeout = float(seconds)
+        if self._wake:
+            self._call_soon(self._scan_soon)  # the connections idle already count from now
+
+    # Where it is, and clients for it ----------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        if self._listener is None:
+            raise RuntimeError("the fake FCM is not started: use it in a with statement, or "
+                               "call start()")
+        return self._port
+
+    @property
+    def endpoint(self) -> str:
+        """``https://127.0.0.1:<port>``: what ``endpoint=`` takes."""
+        return "https://127.0.0.1:%d" % self.port
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A new client SSL context that trusts the fake's certificate, and nothing else."""
+        return ssl.create_default_context(cadata=_FAKE_CA_PEM)
+
+    @property
+    def ca_file(self) -> str:
+        """A PEM file with the CA of the fake's certificate, for other programs: curl's
+        --cacert, REQUESTS_CA_BUNDLE, SSL_CERT_FILE. Removed by ``close()``."""
+        return self._file("ca.pem", _FAKE_CA_PEM)
+
+    def service_account(self) -> Dict[str, Any]:
+        """The key file of a service account of the fake's project whose ``token_uri`` is
+        the fake's token endpoint, as a dict (for ``credentials=``)."""
+        return {
+            "type": "service_account", "project_id": self.project_id,
+            "private_key_id": _FAKE_KEY_ID, "private_key": _FAKE_ACCOUNT_KEY_PEM,
+            "client_email": self._client_email, "client_id": "100000000000000000000",
+            "token_uri": self.endpoint + "/token",
+        }
+
+    @property
+    def service_account_file(self) -> str:
+        """``service_account()`` as a file, for GOOGLE_APPLICATION_CREDENTIALS and
+        firebase-admin. Removed by ``close()``."""
+        return self._file("service-account.json", json.dumps(self.service_account(), indent=2))
+
+    def client(self, **options: Any) -> Client:
+        """``andpush.new(**options)``, by default with the fake's service account (unless
+        ``access_token`` or ``server_key`` is given), endpoint and SSL context."""
+        return new(**self._client_options(options))
+
+    def async_client(self, **options: Any) -> AsyncClient:
+        """``andpush.new_async(**options)`` with the defaults of ``client()``."""
+        return new_async(**self._client_options(options))
+
+    def _client_options(self, options: Dict[str, Any]) -> Dict[str, Any]:
+        options.setdefault("endpoint", self.endpoint)
+        if options.get("ssl_context") is None:
+            options["ssl_context"] = self.ssl_context()
+        if not {"credentials", "access_token", "server_key"} & set(options):
+            options["credentials"] = self.service_account()
+        return options
+
+    def _file(self, name: str, text: str) -> str:
+        if not self._folder:
+            import tempfile
+
+            self._folder = tempfile.mkdtemp(prefix="fake-fcm-")
+        path = os.path.join(self._folder, name)
+        if not os.path.exists(path):
+            with open(path, "w") as file:
+                file.write(text)
+        return path
+
+    # Scripting ------------------------------------------------------------------------
+
+    def answer(self, error: str = "", *, times: Optional[int] = 1, token: Optional[str] = None,
+               retry_after: Optional[float] = None, delay: float = 0.0,
+               drop: bool = False) -> None:
+        """Script the answers to the next ``times`` sends (None: all that follow), or to
+        those for device ``token`` only: FCM's ``error`` (such as "UNAVAILABLE",
+        "QUOTA_EXCEEDED", "INTERNAL", "UNREGISTERED"; "" for the usual answer), with a
+        Retry-After of ``retry_after`` seconds; ``delay`` seconds late (``math.inf``:
+        never); or no answer, the connection dropped (``drop``). Scripts for a token come
+        before the others; each takes its sends in the order they come."""
+        if not isinstance(error, str):
+            raise TypeError("error must be a str, got %s" % type(error).__name__)
+        if error and (error not in _FAKE_ERRORS or error == "ALREADY_EXISTS"):
+            raise ValueError("error must be one of %s, or \"\" for the usual answer; got %r"
+                             % (", ".join(sorted(set(_FAKE_ERRORS) - {"ALREADY_EXISTS"})), error))
+        if times is not None:
+            _check_number("times", times, minimum=1, integer=True)
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError("token must be a non-empty str or None")
+        if retry_after is not None:
+            _check_number("retry_after", retry_after, minimum=0)
+        _check_number("delay", delay, minimum=0)
+        if drop and (error or delay or retry_after is not None):
+            raise ValueError("drop answers nothing: give it no error, delay or retry_after")
+        script = _FakeScript(error, retry_after, float(delay), bool(drop), times)
+        with self._lock:
+            if token is None:
+                self._scripts.append(script)
+            else:
+                self._token_scripts.setdefault(token, collections.deque()).append(script)
+
+    def unregister(self, *tokens: str) -> None:
+        """Make FCM answer UNREGISTERED for these device tokens (NotRegistered over the
+        legacy API), as for an app that was uninstalled."""
+        with self._lock:
+            self._unregistered.update(tokens)
+
+    def move_to_other_project(self, *tokens: str) -> None:
+        """Make FCM answer SENDER_ID_MISMATCH for these device tokens (MismatchSenderId
+        over the legacy API): they belong to another Firebase project."""
+        with self._lock:
+            self._other_project.update(tokens)
+
+    def reset(self) -> None:
+        """Forget the messages, counts, scripts, tokens marked and topic memberships, and
+        the quota: as new, but for the connections and access tokens given out."""
+        with self._lock:
+            self._recorded.clear()
+            for name in self._counts:
+                self._counts[name] = 0
+            self._scripts.clear()
+            self._token_scripts.clear()
+            self._unregistered.clear()
+            self._other_project.clear()
+            self._topics.clear()
+            self.quota = None
+
+    # Reading ---------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> List[ReceivedMessage]:
+        """The messages received (the last ``max_recorded``), in the order they came."""
+        with self._lock:
+            return list(self._recorded)
+
+    def messages_to(self, token: str) -> List[ReceivedMessage]:
+        """The messages received for device ``token``: sent to it, or reaching it through a
+        topic or condition."""
+        return [m for m in self.messages if m.token == token or token in m.tokens]
+
+    def members(self, topic: str) -> Set[str]:
+        """The device tokens subscribed to ``topic``."""
+        with self._lock:
+            return set(self._topics.get(topic, ()))
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """What it has had, ever (or since ``reset()``): "connections", "requests" (any),
+        "messages" (sends), "delivered" (sends it accepted, not validate_only) and
+        "access_tokens" (issued)."""
+        with self._lock:
+            return dict(self._counts)
+
+    # Life cycle ------------------------------------------------------------------------
+
+    def start(self) -> "FakeFCM":
+        """Start listening and serving, from a thread of the fake's own."""
+        if self._listener is not None:
+            raise RuntimeError("the fake FCM is already started")
+        context = _fake_server_context(self._alpn)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if self._port:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", self._port))
+            listener.listen(socket.SOMAXCONN)
+        except OSError:
+            listener.close()
+            raise
+        listener.setblocking(False)
+        self._context = context
+        self._listener = listener
+        self._port = listener.getsockname()[1]
+        self._wake = socket.socketpair()
+        self._wake[0].setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake[0], selectors.EVENT_READ, "wake")
+        self._thread = threading.Thread(target=self._serve, name="fake-fcm", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop: close every connection and the listener, and remove the fake's files."""
+        if self._thread is None or self._stopping:
+            return
+        self._call_soon(self._stop)
+        self._thread.join(_JOIN_WAIT)
+        if self._folder:
+            import shutil
+
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = ""
+
+    def __enter__(self) -> "FakeFCM":
+        if self._listener is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = "https://127.0.0.1:%d" % self._port if self._listener else "not started"
+        return "<andpush.FakeFCM %s %s>" % (self.project_id, where)
+
+    # FCM: what it answers ---------------------------------------------------------------
+
+    def _answer(self, request: _FakeRequest) -> _FakeAnswer:
+        """What FCM, or Google's token endpoint, answers ``request``."""
+        with self._lock:
+            self._counts["requests"] += 1
+        path, _, query = request.path.partition("?")
+        if request.method == "POST":
+            if path == self._send_path or path.startswith("/v1/projects/") and path.endswith(
+                    "/messages:send"):
+                return self._send(request, path)
+            if path == "/token":
+                return self._token(request)
+            if path == "/fcm/send":
+                return self._legacy_send(request)
+        if request.method in ("POST", "DELETE") and path.startswith("/v1/projects/"):
+            match = re.match(_REGISTRATION, path)
+            if match is not None:
+                return self._topic_change(request, match, query)
+        return _fcm_error("NOT_FOUND", "The requested URL %s was not found on this server."
+                          % path[:100])
+
+    def _refused(self, request: _FakeRequest) -> Optional[_FakeAnswer]:
+        """UNAUTHENTICATED for a request without an access token the fake gave out."""
+        authorization = request.headers.get("authorization", "")
+        token = authorization[7:] if authorization[:7].lower() == "bearer " else ""
+        if token == self.access_token:
+            return None
+        with self._lock:
+            expires = self._access_tokens.get(token)
+        if expires is None or expires <= time.monotonic():
+            return _fcm_error("UNAUTHENTICATED")
+        return None
+
+    def _send(self, request: _FakeRequest, path: str) -> _FakeAnswer:
+        """A v1 send: the message checked as FCM checks it, and answered."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if path != self._send_path:
+            return _fcm_error("PERMISSION_DENIED")
+        try:
+            body = json.loads(request.body.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError too
+            body = None
+        message = body.get("message") if isinstance(body, dict) else None
+        if not isinstance(message, dict):
+            message = None
+            problem = ("Invalid JSON payload received: the body must be a JSON object with a "
+                       "\"message\" object.")
+        else:
+            assert isinstance(body, dict)
+            validate_only: object = body.get("validate_only", body.get("validateOnly", False))
+            unknown = [name for name in body if name not in _V1_REQUEST_FIELDS]
+            if unknown:
+                problem = ("Invalid JSON payload received. Unknown name %s: Cannot find field."
+                           % json.dumps(unknown[0]))
+            elif not isinstance(validate_only, bool):
+                problem = "Invalid value for validate_only: it must be true or false."
+            else:
+                return self._deliver_message(request, "v1", message, validate_only)
+        return self._received(request, "v1", message, False,
+                              _fcm_error("INVALID_ARGUMENT", problem), "INVALID_ARGUMENT", None,
+                              ())
+
+    def _deliver_message(self, request: _FakeRequest, api: str, message: Dict[str, Any],
+                         validate_only: bool) -> _FakeAnswer:
+        """The answer to a message well-formed enough to be scripted, checked or sent."""
+        script = None
+        if self._scripts or self._token_scripts:  # (read unlocked: set before the send came)
+            token = message.get("token" if api == "v1" else "to")
+            with self._lock:
+                script = self._script_for(token if isinstance(token, str) else None)
+        if script is not None and script.error:
+            answer = _fcm_error(script.error, retry_after=script.retry_after)
+            answer.delay = script.delay
+            return self._received(request, api, message, validate_only, answer, script.error,
+                                  None, ())
+        if script is not None and script.drop:
+            return self._received(request, api, message, validate_only,
+                                  _FakeAnswer(0, (), b"", dropped=True), None, None, ())
+        if api == "v1":
+            answer, error, name, reached = self._v1_outcome(request, message, validate_only)
+        else:
+            answer, error, name, reached = self._legacy_outcome(request, message, validate_only)
+        if script is not None:
+            answer.delay = script.delay
+            if script.delay == math.inf:
+                reached = ()
+        return self._received(request, api, message, validate_only, answer, error, name, reached)
+
+    def _script_for(self, token: Optional[str]) -> Optional[_FakeScript]:
+        """The script that answers the next send (for ``token``), taken; called locked."""
+        if token is not None:
+            scripts = self._token_scripts.get(token)
+            if scripts:
+                script = _take_script(scripts)
+                if not scripts:
+                    del self._token_scripts[token]
+                return script
+        return _take_script(self._scripts) if self._scripts else None
+
+    def _v1_outcome(self, request: _FakeRequest, message: Dict[str, Any], validate_only: bool
+                    ) -> Tuple[_FakeAnswer, Optional[str], Optional[str], Tuple[str, ...]]:
+        """FCM's answer to a v1 message, its error code, the message's name, and the tokens
+        it reached."""
+        try:
+            if _check_message(message) is not message:  # the client drops a /topics/ prefix
+                raise ValueError("topic names go without the /topics/ prefix")
+            _check_data_sizes(message, request.body)
+            condition = message.get("condition")
+            tree = _parse_condition(condition) if isinstance(condition, str) else None
+        except (TypeError, ValueError) as exc:
+            return _fcm_error("INVALID_ARGUMENT", str(exc)), "INVALID_ARGUMENT", None, ()
+        with self._lock:
+            refusal = self._over_quota() or self._token_refusal(message.get("token"))
+            if refusal is not None:
+                return _fcm_error(refusal[0], retry_after=refusal[1]), refusal[0], None, ()
+            reached = self._reach(message.get("token"), message.get("topic"), tree)
+            self._message_number += 1
+            number = self._message_number
+        name = self._name_prefix + ("fake_message_id" if validate_only else "0:%d" % number)
+        answer = _FakeAnswer(200, _JSON_HEADERS, ('{"name":"%s"}' % name).encode("ascii"))
+        return answer, None, name, () if validate_only else reached
+
+    def _over_quota(self) -> Optional[Tuple[str, Optional[float]]]:
+        """QUOTA_EXCEEDED and its Retry-After for a send beyond ``quota`` this second;
+        called locked."""
+        if self.quota is None:
+            return None
+        now = time.monotonic()
+        started, sends = self._quota_window
+        if now - started >= 1.0:
+            started, sends = now, 0
+        self._quota_window = (started, sends + 1)
+        if sends < self.quota:
+            return None
+        return "QUOTA_EXCEEDED", math.ceil(started + 1.0 - now)
+
+    def _token_refusal(self, token: object) -> Optional[Tuple[str, Optional[float]]]:
+        if token in self._unregistered:
+            return "UNREGISTERED", None
+        if token in self._other_project:
+            return "SENDER_ID_MISMATCH", None
+        return None
+
+    def _reach(self, token: object, topic: object, tree: Optional[Tuple[Any, ...]]
+               ) -> Tuple[str, ...]:
+        """The device tokens a message to token, topic or condition reaches; called locked."""
+        if isinstance(token, str):
+            return (token,)
+        if isinstance(topic, str):
+            members = self._topics.get(topic, set())
+        elif tree is not None:
+            everyone = set().union(*self._topics.values())
+            members = _condition_reach(tree, self._topics, everyone)
+        else:
+            return ()
+        return tuple(sorted(members - self._unregistered - self._other_project))
+
+    def _received(self, request: _FakeRequest, api: str, message: Optional[Dict[str, Any]],
+                  validate_only: bool, answer: _FakeAnswer, error: Optional[str],
+                  name: Optional[str], reached: Tuple[str, ...]) -> _FakeAnswer:
+        """Record a send and what it is answered; return the answer."""
+        received = ReceivedMessage(request, api, message, validate_only, answer, error, name,
+                                   reached)
+        with self._lock:
+            self._recorded.append(received)
+            self._counts["messages"] += 1
+            if received.status == 200 and not validate_only:
+                self._counts["delivered"] += 1
+        if self._on_message is not None:
+            self._on_message(received)
+        return answer
+
+    # The legacy API.
+
+    def _legacy_send(self, request: _FakeRequest) -> _FakeAnswer:
+        if request.headers.get("authorization", "") != "key=" + self.server_key:
+            return _text_answer(401, "Unauthorized: the server key is not the fake's\n")
+        try:
+            message = json.loads(request.body)
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            return self._received(request, "legacy", None, False,
+                                  _text_answer(400, "JSON_PARSING_ERROR: the body is not a JSON "
+                                               "object\n"), "INVALID_ARGUMENT", None, ())
+        return self._deliver_message(request, "legacy", message, message.get("dry_run") is True)
+
+    def _legacy_outcome(self, request: _FakeRequest, message: Dict[str, Any], dry_run: bool
+                        ) -> Tuple[_FakeAnswer, Optional[str], Optional[str], Tuple[str, ...]]:
+        to, ids, condition = (message.get(name) for name in ("to", "registration_ids",
+                                                              "condition"))
+        try:
+            _check_legacy_message(message)
+            _check_data_sizes(message, request.body)
+            tree = _parse_condition(condition) if isinstance(condition, str) else None
+            topic = to[8:] if isinstance(to, str) and to.startswith("/topics/") else None
+            if topic is not None:
+                _topic_name(topic, "topic")
+            tokens = ids if isinstance(ids, list) else [to] if isinstance(to, str) else []
+            if topic is None and tree is None and not (
+                    0 < len(tokens) <= 1000 and all(isinstance(t, str) and t for t in tokens)):
+                raise ValueError('give "to", "condition" or 1 to 1000 "registration_ids"')
+        except (TypeError, ValueError) as exc:
+            return _text_answer(400, "InvalidParameters: %s\n" % exc), "INVALID_ARGUMENT", None, ()
+        with self._lock:
+            self._message_number += 1
+            number = self._message_number
+            if topic is not None or tree is not None:
+                reached = self._reach(None, topic, tree)
+                answer = _json_answer(200, {"message_id": number})
+                return answer, None, str(number), () if dry_run else reached
+            results = [self._legacy_result(token, dry_run) for token in tokens]
+        reached = tuple(t for t, r in zip(tokens, results) if "message_id" in r)
+        failure = sum(1 for result in results if "error" in result)
+        answer = _json_answer(200, {
+            "multicast_id": -1 if dry_run else _FAKE_MULTICAST_BASE + number,
+            "success": len(results) - failure, "failure": failure,
+            "canonical_ids": sum(1 for result in results if "registration_id" in result),
+            "results": results,
+        })
+        first = results[0].get("message_id")
+        return answer, results[0].get("error"), first, () if dry_run else reached
+
+    def _legacy_result(self, token: str, dry_run: bool) -> Dict[str, Any]:
+        """One token's result of a legacy send; called locked."""
+        if token in self._unregistered:
+            return {"error": "NotRegistered"}
+        if token in self._other_project:
+            return {"error": "MismatchSenderId"}
+        if dry_run:
+            return {"message_id": "fake_message_id"}
+        return {"message_id": "0:%d%%%s" % (self._message_number, _FAKE_MESSAGE_SUFFIX)}
+
+    # Topic management and the token endpoint.
+
+    def _topic_change(self, request: _FakeRequest, match: "re.Match[str]", query: str
+                      ) -> _FakeAnswer:
+        """POST .../registrations/<token>/topicSubscriptions?topic_name=<topic> subscribes,
+        DELETE .../topicSubscriptions/<topic> unsubscribes (allow_missing=true: even a
+        token that is not subscribed)."""
+        refused = self._refused(request)
+        if refused is not None:
+            return refused
+        if urllib.parse.unquote(match.group(1)) != self.project_id:
+            return _fcm_error("PERMISSION_DENIED")
+        parameters = dict(urllib.parse.parse_qsl(query))
+        token = urllib.parse.unquote(match.group(2))
+        subscribe = request.method == "POST" and match.group(3) is None
+        topic = parameters.get("topic_name", "") if subscribe else urllib.parse.unquote(
+            match.group(3) or "")
+        try:
+            topic = _topic_name(topic, "topic")
+        except ValueError as exc:
+            return _fcm_error("INVALID_ARGUMENT", str(exc))
+        with self._lock:
+            if token in self._unregistered:
+                return _fcm_error("NOT_FOUND")
+            members = self._topics.setdefault(topic, set())
+            if subscribe and token in members:
+                return _fcm_error("ALREADY_EXISTS")
+            if not subscribe and token not in members and parameters.get(
+                    "allow_missing") != "true":
+                return _fcm_error("NOT_FOUND")
+            if subscribe:
+                members.add(token)
+            else:
+                members.discard(token)
+            if not members:
+                del self._topics[topic]
+        return _json_answer(200, {})
+
+    def _token(self, request: _FakeRequest) -> _FakeAnswer:
+        """Google's OAuth2 token endpoint, for the fake's service account."""
+        form = dict(urllib.parse.parse_qsl(request.body.decode("latin-1")))
+        problem = self._grant_problem(form)
+        if problem is not None:
+            return _json_answer(400, {"error": problem[0], "error_description": problem[1]})
+        return _json_answer(200, {"access_token": self._issue(), "token_type": "Bearer",
+                                  "expires_in": _FAKE_TOKEN_LIFETIME - 1})
+
+    def _grant_problem(self, form: Dict[str, str]) -> Optional[Tuple[str, str]]:
+        if form.get("grant_type") != _JWT_BEARER:
+            return "unsupported_grant_type", "Invalid grant_type: %s" % form.get("grant_type")
+        audiences = (self.endpoint + "/token", _GOOGLE_TOKEN_URI)
+        return _jwt_problem(form.get("assertion", ""), self._account_key, self._client_email,
+                            audiences, time.time())
+
+    def _issue(self) -> str:
+        """A new access token, good for an hour."""
+        with self._lock:
+            self._counts["access_tokens"] += 1
+            token = "ya29.fake-%d" % len(self._access_tokens)
+            self._access_tokens[token] = time.monotonic() + _FAKE_TOKEN_LIFETIME
+        return token
+
+    # The thread: connections, bytes and timers ------------------------------------------
+
+    def _call_soon(self, call: Callable[[], None]) -> None:
+        """Have the fake's thread run ``call``; from any thread."""
+        self._calls.append(call)
+        with contextlib.suppress(OSError):  # full: the thread has a wake-up waiting anyway
+            self._wake[1].send(b"\0")
+
+    def _later(self, delay: float, call: Callable[[], None]) -> None:
+        """Have the fake's thread run ``call`` ``delay`` seconds from now."""
+        self._timer_number += 1
+        heapq.heappush(self._timers, (time.monotonic() + delay, self._timer_number, call))
+
+    def _serve(self) -> None:
+        """The fake's thread: accept, read, answer, write and time out, until close()."""
+        selector = self._selector
+        try:
+            while not self._stopping:
+                due = self._timers[0][0] if self._timers else math.inf
+                timeout = max(0.0, min(due, self._next_scan) - time.monotonic())
+                for key, mask in selector.select(timeout):
+                    link = key.data
+                    if isinstance(link, _FakeLink):
+                        self._on_ready(link, mask)
+                    elif link == "accept":
+                        self._accept()
+                    else:
+                        with contextlib.suppress(OSError):
+                            self._wake[0].recv(4096)
+                while self._calls:
+                    self._calls.popleft()()
+                now = time.monotonic()
+                while self._timers and self._timers[0][0] <= now:
+                    heapq.heappop(self._timers)[2]()
+                while self._unflushed:  # what the timers queued: one write per connection
+                    link = self._unflushed.pop()
+                    if not link.closed:
+                        self._flush(link)
+                if now >= self._next_scan:
+                    self._scan(now)
+        except Exception:  # noqa: BLE001 (a bug of the fake's: kept and logged)
+            self._fail()
+        finally:
+            for link in list(self._links):
+                self._shut(link)
+            if self._listener is not None:
+                self._listener.close()
+            selector.close()
+            for sock in self._wake:
+                sock.close()
+
+    def _stop(self) -> None:
+        self._stopping = True
+
+    def _scan_soon(self) -> None:
+        self._next_scan = 0.0
+
+    def _fail(self) -> None:
+        import traceback
+
+        self._errors.append(traceback.format_exc())
+        log.error("the fake FCM failed", exc_info=True)
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of file descriptors: the client waits in the backlog
+                log.warning("the fake FCM cannot accept a connection", exc_info=True)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._counts["connections"] += 1
+                number = self._counts["connections"]
+            link = _FakeLink(sock, number, time.monotonic())
+            self._links.add(link)
+            self._selector.register(sock, selectors.EVENT_READ, link)
+            self._opened(link)
+
+    def _opened(self, link: _FakeLink) -> None:
+        """A connection came: it is read from when its first bytes do."""
+
+    def _on_ready(self, link: _FakeLink, mask: int) -> None:
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(link)
+            if mask & selectors.EVENT_READ and not link.closed:
+                self._read(link)
+        except Exception:  # noqa: BLE001 (a bug of the fake's: kept, and the connection cut)
+            self._fail()
+            self._shut(link)
+
+    def _read(self, link: _FakeLink) -> None:
+        try:
+            raw = link.sock.recv(_RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._shut(link)
+            return
+        if not raw:
+            self._shut(link)  # the client left: what it was waiting for is lost
+            return
+        if link.lingering:
+            return
+        link.since = time.monotonic()
+        if link.secure is None:
+            link.secure = raw[0] == 0x16  # a TLS handshake record: a ClientHello
+            if link.secure:
+                assert self._context is not None
+                link.tls = self._context.wrap_bio(link.incoming, link.encrypted,
+                                                  server_side=True)
+        data: Optional[bytes] = raw
+        if link.tls is not None:
+            data = self._decrypt(link, raw)
+        if data:
+            self._take(link, data)
+        if not link.closed:
+            self._flush(link)
+
+    def _decrypt(self, link: _FakeLink, raw: bytes) -> Optional[bytes]:
+        """The data ``raw`` completes, after the handshake; None if TLS failed."""
+        tls = link.tls
+        assert tls is not None
+        link.incoming.write(raw)
+        if not link.handshaken:
+            try:
+                tls.do_handshake()
+            except ssl.SSLWantReadError:
+                link.out += link.encrypted.read()
+                return b""
+            except (ssl.SSLError, OSError):
+                with contextlib.suppress(OSError):  # the alert: the client learns why
+                    link.sock.send(link.encrypted.read())
+                self._shut(link)
+                return None
+            link.handshaken = True
+            link.out += link.encrypted.read()
+            self._secured(link)
+        parts = []
+        try:
+            while True:
+                part = tls.read(_RECV_SIZE)
+                if not part:
+                    break
+                parts.append(part)
+        except (ssl.SSLWantReadError, ssl.SSLZeroReturnError):
+            pass  # all there is; or the client's close_notify, before its FIN
+        except ssl.SSLError:
+            self._shut(link)
+            return None
+        if link.encrypted.pending:  # a TLS 1.3 KeyUpdate's answer
+            link.out += link.encrypted.read()
+        return b"".join(parts)
+
+    def _secured(self, link: _FakeLink) -> None:
+        """TLS is up: ALPN chose the protocol, if the client offered any."""
+        assert link.tls is not None
+        alpn = link.tls.selected_alpn_protocol()
+        if alpn is not None:
+            link.protocol = self._protocol(alpn, link.number)
+
+    def _protocol(self, name: str, number: int) -> Union[_FakeH1, _FakeH2]:
+        """The protocol of connection ``number``: "h2", or else HTTP/1.1."""
+        return _FakeH2(number) if name == "h2" else _FakeH1(number)
+
+    def _take(self, link: _FakeLink, data: bytes) -> None:
+        """Hand the data read to the connection's protocol, chosen by the first bytes if
+        ALPN did not, and answer the requests it completes."""
+        protocol = link.protocol
+        if protocol is None:
+            data = link.sniffed + data
+            if len(data) < len(_H2_PREFACE) and _H2_PREFACE.startswith(data):
+                link.sniffed = data
+                return
+            link.sniffed = b""
+            protocol = link.protocol = self._protocol(
+                "h2" if data.startswith(_H2_PREFACE) else "http/1.1", link.number)
+        try:
+            requests = protocol.receive(data)
+        except _H2Error as exc:
+            assert isinstance(protocol, _FakeH2)
+            protocol.abort(exc)
+            return
+        for request in requests:
+            self._dispatch(link, request)
+
+    def _dispatch(self, link: _FakeLink, request: _FakeRequest) -> None:
+        """Answer a request that was read whole: now, later, never, or by dropping the
+        connection, as FCM's answer (or a script) says."""
+        protocol = link.protocol
+        if isinstance(protocol, _FakeH2) and request.stream not in protocol.streams:
+            return  # read with others, then beyond a GOAWAY: not processed
+        try:
+            answer = self._answer(request)
+        except Exception:  # noqa: BLE001 (a bug of the fake's: kept, and a 500)
+            self._fail()
+            answer = _text_answer(500, "fake FCM: a bug in the fake; see its log\n")
+        if answer.dropped:
+            self._reset(link)
+        elif not answer.delay:
+            self._deliver(link, request, answer)
+        elif answer.delay < math.inf:
+            self._later(answer.delay, lambda: self._deliver_late(link, request, answer))
+
+    def _deliver(self, link: _FakeLink, request: _FakeRequest, answer: _FakeAnswer) -> None:
+        protocol = link.protocol
+        if protocol is None or link.closing or link.closed:
+            return
+        link.since = time.monotonic()
+        for following in protocol.answer(request, answer.status, answer.headers, answer.body):
+            self._dispatch(link, following)
+
+    def _deliver_late(self, link: _FakeLink, request: _FakeRequest, answer: _FakeAnswer
+                      ) -> None:
+        self._deliver(link, request, answer)
+        self._unflushed.add(link)
+
+    def _write(self, link: _FakeLink, data: bytes) -> None:
+        """Queue bytes of the protocol's to be sent, encrypted if the connection is TLS."""
+        if link.tls is not None:
+            link.tls.write(data)
+            link.out += link.encrypted.read()
+        else:
+            link.out += data
+
+    def _flush(self, link: _FakeLink) -> None:
+        """Send what the protocol has to say, as far as the socket takes it; close the
+        connection once the protocol has ended and everything is sent."""
+        protocol = link.protocol
+        if protocol is not None and protocol.outgoing:
+            data = bytes(protocol.outgoing)
+            protocol.outgoing.clear()
+            self._write(link, data)
+        if link.out:
+            try:
+                del link.out[:link.sock.send(link.out)]
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                self._shut(link)
+                return
+        if protocol is not None and protocol.ended and not link.closing:
+            self._close(link, "notify")
+            return
+        if link.closing and not link.out and not link.lingering:
+            self._end(link)
+        writing = bool(link.out)
+        if writing != link.writing and not link.closed:
+            link.writing = writing
+            self._selector.modify(link.sock, selectors.EVENT_READ | (
+                selectors.EVENT_WRITE if writing else 0), link)
+
+    def _close(self, link: _FakeLink, how: str) -> None:
+        """Close the connection once what is queued is sent: "notify" with TLS's
+        close_notify, "drop" without; either way with a FIN, then reading until the
+        client's (for at most _FAKE_LINGER seconds)."""
+        if not link.closing:
+            link.closing = how
+            link.deadline = time.monotonic() + _FAKE_LINGER
+            self._next_scan = min(self._next_scan, link.deadline)
+        self._flush(link)
+
+    def _end(self, link: _FakeLink) -> None:
+        if link.closing == "notify" and link.tls is not None and link.handshaken:
+            with contextlib.suppress(ssl.SSLError, ValueError):
+                link.tls.unwrap()  # queues close_notify; it then wants the client's
+            with contextlib.suppress(OSError):
+                link.sock.send(link.encrypted.read())
+        with contextlib.suppress(OSError):
+            link.sock.shutdown(socket.SHUT_WR)
+        link.lingering = True
+        link.deadline = time.monotonic() + _FAKE_LINGER
+
+    def _reset(self, link: _FakeLink) -> None:
+        """Cut the connection at once: TCP RST, nothing more sent."""
+        with contextlib.suppress(OSError):
+            link.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._shut(link)
+
+    def _shut(self, link: _FakeLink) -> None:
+        if link.closed:
+            return
+        link.closed = True
+        self._links.discard(link)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(link.sock)
+        link.sock.close()
+
+    def _scan(self, now: float) -> None:
+        """Close the connections idle for idle_timeout seconds (a GOAWAY first over
+        HTTP/2), and those that have lingered long enough."""
+        timeout = self.idle_timeout
+        next_scan = now + min(timeout, _FAKE_SCAN)
+        for link in list(self._links):
+            if link.closing:
+                due = link.deadline
+                if now >= due:
+                    if link.out:
+                        self._reset(link)  # the client takes nothing: it gets nothing more
+                    else:
+                        self._shut(link)
+                    continue
+            elif link.protocol is None or link.protocol.idle:
+                due = link.since + timeout
+                if now >= due:
+                    self._idle(link)
+                    continue
+            else:
+                continue
+            next_scan = min(next_scan, due)
+        self._next_scan = next_scan
+
+    def _idle(self, link: _FakeLink) -> None:
+        if isinstance(link.protocol, _FakeH2):
+            link.protocol.go_away()
+            self._flush(link)
+        else:
+            self._close(link, "notify")
+
+
 # Command line ################################################################
 # `andpush COMMAND` (or `python -m andpush`): send, send to many, topics, tokens, checks.
 # argparse is imported by the functions that need it, so that `import andpush` does not
@@ -6571,6 +8378,20 @@ def _parser() -> "argparse.ArgumentParser":
                     "FCM refused --token; 77: they do not; 75: FCM could not be reached.")
     check.add_argument("--token", help="a device token to validate the test message for")
     check.set_defaults(run=_cmd_check)
+
+    fake = command("fake-fcm", "run a fake FCM here, for tests in any language", "Run "
+                   "andpush's fake FCM in the foreground until Ctrl-C or SIGTERM: FCM's v1 and "
+                   "legacy sends, topic management and Google's token endpoint, over HTTP/1.1 "
+                   "and HTTP/2, on 127.0.0.1 with TLS (https://, its own CA) or without "
+                   "(http://). It says where it is on stderr (the endpoint, its CA file, a "
+                   "service account key file whose token_uri it serves, an access token it "
+                   "takes), then prints one JSON line per message it receives on stdout. "
+                   "--project-id names its project (default: " + _FAKE_PROJECT + ").")
+    fake.add_argument("--port", metavar="N", type=_whole_number, default=0,
+                      help="the port to listen on (default: a free one)")
+    fake.add_argument("-q", "--quiet", action="store_true",
+                      help="print no line per message")
+    fake.set_defaults(run=_cmd_fake_fcm)
     for sub in every_command:
         _add_global_options(sub, defaults=False)
     return parser
@@ -6613,6 +8434,9 @@ def _add_global_options(parser: "argparse.ArgumentParser", defaults: bool) -> No
     group.add_argument("--proxy", metavar="URL", default=default(None),
                        help="connect through this http://[user:pass@]host:port proxy "
                        "(default: HTTPS_PROXY and NO_PROXY; '' for none)")
+    group.add_argument("--fake", action="store_true", default=default(False),
+                       help="send to a fake FCM started inside this command: no credentials, "
+                       "nothing leaves the machine (see the fake-fcm command)")
     group.add_argument("-v", "--verbose", action="store_true", default=default(False),
                        help="log what andpush does, and show tracebacks, on stderr")
 
@@ -6686,7 +8510,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return _EXIT_USAGE
-        status = int(args.run(args))
+        with contextlib.ExitStack() as stack:
+            if args.fake:
+                _refuse_options(args, "--fake sends to a fake FCM of its own", "fake")
+                args.fake_fcm = stack.enter_context(FakeFCM(args.project_id or _FAKE_PROJECT))
+            status = int(args.run(args))
         sys.stdout.flush()  # a closed pipe shows here, while it can still be handled
         return status
     except SystemExit as exc:  # --help and --version
@@ -6813,6 +8641,9 @@ def _explain(error: BaseException) -> str:
 
 def _client(args: "argparse.Namespace", rate_limit: Optional[float] = None) -> Client:
     """The client the global options describe (legacy when given a server key)."""
+    if args.fake:
+        return cast(FakeFCM, args.fake_fcm).client(
+            timeout=args.timeout, max_retries=args.max_retries, rate_limit=rate_limit)
     server_key = args.server_key
     if server_key is not None and args.credentials is not None:
         raise _Failure("give --credentials or --server-key, not both")
@@ -6833,6 +8664,25 @@ def _client(args: "argparse.Namespace", rate_limit: Optional[float] = None) -> C
         )
     except (TypeError, ValueError) as exc:
         raise _Failure(_about_option(str(exc), args)) from None
+
+
+# The options that say where FCM is and how to reach it, and how to tell they were given.
+_WHERE_OPTIONS = (
+    ("--credentials", lambda args: args.credentials is not None),
+    ("--server-key", lambda args: args.server_key is not None),
+    ("--endpoint", lambda args: args.endpoint != DEFAULT_ENDPOINT),
+    ("--cafile", lambda args: args.cafile is not None),
+    ("--proxy", lambda args: args.proxy is not None),
+    ("--fake", lambda args: args.fake),
+)
+
+
+def _refuse_options(args: "argparse.Namespace", reason: str, *allowed: str) -> None:
+    """Fail when an option saying where FCM is was given where it means nothing."""
+    given = [name for name, present in _WHERE_OPTIONS
+             if present(args) and name.lstrip("-") not in allowed]
+    if given:
+        raise _Failure("%s: leave out %s" % (reason, " and ".join(given)))
 
 
 def _about_option(message: str, args: "argparse.Namespace") -> str:
@@ -7258,6 +9108,65 @@ def _cmd_check(args: "argparse.Namespace") -> int:
     print("test message  ok: FCM validated it (validate_only: nothing was delivered)")
     print("The credentials and project work.")
     return _EXIT_OK
+
+
+def _cmd_fake_fcm(args: "argparse.Namespace") -> int:
+    import signal
+
+    _refuse_options(args, "fake-fcm is the fake FCM itself")
+    fcm = FakeFCM(args.project_id or _FAKE_PROJECT, port=args.port)
+    stopped: List[int] = []  # the signal that stops it, or 0 when stdout's reader left
+    done = threading.Event()
+
+    def log_message(received: ReceivedMessage) -> None:
+        try:
+            print(_message_line(received), flush=True)
+        except (OSError, ValueError):  # stdout's reader went away (| head)
+            fcm._on_message = None
+            stopped.append(0)
+            done.set()
+
+    def stop(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        done.set()
+
+    if not args.quiet:
+        fcm._on_message = log_message
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, stop) for signum in _SIGNAL_WORDS}
+    try:
+        with fcm:
+            _say("fake FCM for project %s at %s (plain HTTP: %s)" % (
+                fcm.project_id, fcm.endpoint, "http://127.0.0.1:%d" % fcm.port))
+            _say("CA file: %s" % fcm.ca_file)
+            _say("service account key file: %s" % fcm.service_account_file)
+            _say("access token: %s, legacy server key: %s" % (fcm.access_token, fcm.server_key))
+            _say("one JSON line per message on stdout; Ctrl-C stops" if not args.quiet
+                 else "Ctrl-C stops")
+            while not done.wait(3600):
+                pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    counts = fcm.counts
+    _say("stopped: %s messages received, %s delivered, %s connections" % (
+        _number(counts["messages"]), _number(counts["delivered"]),
+        _number(counts["connections"])))
+    if stopped and stopped[0] == 0:
+        _discard_stdout()
+        return _EXIT_CLOSED_OUTPUT
+    return _EXIT_OK
+
+
+def _message_line(received: ReceivedMessage) -> str:
+    """fake-fcm's line for a message it received: when, how, what it answered, the message."""
+    return json.dumps({
+        "time": round(received.time, 6), "api": received.api, "protocol": received.protocol,
+        "connection": received.connection, "validate_only": received.validate_only,
+        "status": received.status, "error": received.error, "name": received.name,
+        "tokens": list(received.tokens), "message": received.message,
+    }, ensure_ascii=False)
 
 
 # send-many's progress display and summary.
