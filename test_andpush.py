@@ -8862,7 +8862,7 @@ class SimWorld:
         if self.now != self._instant:
             self._instant, self._turns_now = self.now, 0
         self._turns_now += 1
-        if self._turns_now > SIM_TURNS_AT_ONCE:
+        if self._turns_now > SIM_TURNS_AT_ONCE and not self.aborted:
             raise SimAbort("busy loop: %d engine turns at one simulated instant" % self._turns_now)
 
     def note(self, text: str) -> None:
@@ -10207,8 +10207,26 @@ class SimRun:
             self._closing()
             loop.create_task(client.aclose())
         self._close = close
+
+        def caught(loop: Any, context: Dict[str, Any]) -> None:
+            """What a callback raised: a SimAbort ends the run; anything else is a problem."""
+            error = context.get("exception")
+            if isinstance(error, SimAbort):
+                aborts.append(error)
+                self.world.aborted = True
+                loop.stop()
+            else:
+                self.world.problem("the event loop caught: %s %r"
+                                   % (context.get("message"), error))
+        aborts: List[SimAbort] = []
+        loop.set_exception_handler(caught)
         try:
-            loop.run_until_complete(self._scenario(client))
+            try:
+                loop.run_until_complete(self._scenario(client))
+            except RuntimeError:  # stopped: a callback aborted the run
+                if not aborts:
+                    raise
+                raise aborts[0] from None
             if any(not task.done() for task in asyncio.all_tasks(loop)):
                 self.world.problem("tasks left after the client closed: %r"
                                    % [t for t in asyncio.all_tasks(loop) if not t.done()])
