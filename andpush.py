@@ -7965,10 +7965,6 @@ class FakeFCM:
             link = _FakeLink(sock, number, time.monotonic())
             self._links.add(link)
             self._selector.register(sock, selectors.EVENT_READ, link)
-            self._opened(link)
-
-    def _opened(self, link: _FakeLink) -> None:
-        """A connection came: it is read from when its first bytes do."""
 
     def _on_ready(self, link: _FakeLink, mask: int) -> None:
         try:

@@ -224,9 +224,6 @@ GOAWAY_AFTER_READ = "GOAWAY_AFTER_READ"
 #: answered, then close. From by_token, which acts once the request is read, the request is
 #: dropped unrecorded all the same.
 GOAWAY_BEFORE_READ = "GOAWAY_BEFORE_READ"
-#: Read the request (recorded), send GOAWAY(INTERNAL_ERROR, last stream id: the highest
-#: opened) and close at once (FIN, no close_notify): the streams in flight are never answered.
-GOAWAY_AND_CLOSE_AFTER_READ = "GOAWAY_AND_CLOSE_AFTER_READ"
 #: Read the request (recorded), answer it, and send the graceful-shutdown notice
 #: GOAWAY(NO_ERROR, 2^31-1) and a PING; FakeFCM.shutdown_grace seconds later the real
 #: GOAWAY(NO_ERROR, the highest stream opened), then the streams up to it are answered and
@@ -235,12 +232,8 @@ SHUTDOWN_NOTICE_AFTER_READ = "SHUTDOWN_NOTICE_AFTER_READ"
 #: Read the request (recorded), then close the connection with streams in flight: what was
 #: already queued is sent, then FIN without GOAWAY or close_notify.
 DROP_CONNECTION_AFTER_READ = "DROP_CONNECTION_AFTER_READ"
-#: Read the request (recorded), then FakeFCM.go_away(): the whole server is gone.
-SERVER_GOES_AWAY_AFTER_READ = "SERVER_GOES_AWAY_AFTER_READ"
 H2_MISBEHAVIOURS = (REFUSE_STREAM, RESET_STREAM_AFTER_READ, GOAWAY_AFTER_READ,
-                    GOAWAY_BEFORE_READ, GOAWAY_AND_CLOSE_AFTER_READ,
-                    SHUTDOWN_NOTICE_AFTER_READ, DROP_CONNECTION_AFTER_READ,
-                    SERVER_GOES_AWAY_AFTER_READ)
+                    GOAWAY_BEFORE_READ, SHUTDOWN_NOTICE_AFTER_READ, DROP_CONNECTION_AFTER_READ)
 #: What FakeFCM2.inject() takes besides a Reply: HTTP/1.1's misbehaviours that mean something
 #: in HTTP/2 (the two resets reset the whole TCP connection) and HTTP/2's own.
 H2_ACTIONS = H2_MISBEHAVIOURS + (
@@ -416,9 +409,6 @@ class FakeFCM(andpush.FakeFCM):
         self.slow_seconds = 1.0  # how long SLOW holds its answer
         self.reply_delay = 0.0  # seconds before every answer
         self.close_every: Optional[int] = None  # HTTP/1.1 answers before an abrupt close
-        # Connections open at once beyond which new ones are closed as soon as accepted, as a
-        # load balancer at its limit does (the client sees its TLS handshake fail).
-        self.max_connections: Optional[int] = None
         self.unregistered_tokens = self._unregistered
         self.canonical_tokens: Dict[str, str] = {}
         # Actions for the requests of one device token (legacy "to", v1 message.token), taken
@@ -547,19 +537,6 @@ class FakeFCM(andpush.FakeFCM):
         self.stall_window = False
         self._call_soon(self._release_windows)
 
-    def go_away(self) -> None:
-        """The server is gone: it stops listening (later connects are refused) and closes
-        every connection at once (FIN, no GOAWAY), whatever is in flight."""
-        if threading.current_thread() is not self._thread:
-            self._call_soon(self.go_away)
-            return
-        assert self._listener is not None
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(self._listener)
-        self._listener.close()
-        for link in list(self._links):
-            self._close(link, "drop")
-
     # How the shipped fake's thread is used ------------------------------------------------
 
     def _next_action(self) -> Optional[Action]:
@@ -572,10 +549,6 @@ class FakeFCM(andpush.FakeFCM):
             action = self._taken.pop((connection, stream), None)
             if action is not None:
                 self._injected.appendleft(action)
-
-    def _opened(self, link: andpush._FakeLink) -> None:
-        if self.max_connections is not None and self.open_connections > self.max_connections:
-            self._shut(link)
 
     def _secured(self, link: andpush._FakeLink) -> None:
         assert link.tls is not None
@@ -920,12 +893,6 @@ class _TestH2(andpush._FakeH2):
             self.reset_stream(stream_id, H2_INTERNAL_ERROR)
             return False
         if action == DROP_CONNECTION_AFTER_READ:
-            raise _Cut("drop")
-        if action == SERVER_GOES_AWAY_AFTER_READ:
-            server.go_away()
-            return False
-        if action == GOAWAY_AND_CLOSE_AFTER_READ:
-            self.abort(andpush._H2Error("gone", H2_INTERNAL_ERROR))
             raise _Cut("drop")
         if action == GOAWAY_AFTER_READ or (
                 self.goaway_after is not None and self.recorded == self.goaway_after):
@@ -5305,18 +5272,6 @@ class PushManySpec:
         # The others went on meanwhile, past four outcomes per message in flight.
         self.assertGreater(sent.index("t0", first + 1) - first, 4 * 4)
 
-    def test_a_server_that_turns_connections_away_gets_a_few_tries_not_a_storm(
-            self: Any) -> None:
-        self.server.max_connections = 1
-        self.server.max_concurrent_streams = 1  # (HTTP/2) one request at a time, as HTTP/1.1
-        self.server.reply_delay = 0.005
-        client = self.fixed_token_client()
-        outcomes = outcomes_of(client.push_many(CountingMessages(20), concurrency=3))
-        self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
-        # The first connection carries them all. The two more it wants are turned away
-        # once, and again only if the batch outlasts the hold-off that follows (0.5 s).
-        self.assertLessEqual(self.server.connections, 5)
-
     def test_a_request_the_server_did_not_read_is_sent_again_once(self: Any) -> None:
         client = self.fixed_token_client(max_retries=0)
         client.push({"token": "warm-up"})  # the token, and a connection to reuse
@@ -7584,21 +7539,6 @@ class HTTP2Test(HTTP2TestCase):
         self.assertEqual(sent_counts(self.server)["t3"], 1)
         self.assertEqual(sum(isinstance(o, andpush.Response) for o in outcomes), 9)
 
-    def test_a_dropped_connection_loses_nothing_silently(self) -> None:
-        self.server.reply_delay = 0.02  # the others are in flight as t4's connection drops
-        self.server.by_token["t4"] = [DROP_CONNECTION_AFTER_READ]
-        outcomes = self.push_many(30, concurrency=10, max_retries=3)
-        counts = sent_counts(self.server)
-        for i, outcome in enumerate(outcomes):
-            with self.subTest(i=i):
-                self.assertLessEqual(counts["t%d" % i], 1)  # nothing duplicated
-                if isinstance(outcome, andpush.Response):
-                    self.assertEqual(counts["t%d" % i], 1)
-                else:
-                    self.assertIsInstance(outcome, andpush.NetworkError)
-                    self.assertTrue(outcome.may_have_been_delivered)
-        self.assertIsInstance(outcomes[4], andpush.NetworkError)
-
     def test_streams_follow_max_concurrent_streams_and_its_changes(self) -> None:
         self.server.close()
         self.server = FakeFCM2(max_concurrent_streams=8).start()
@@ -7829,53 +7769,12 @@ class HTTP2MisbehaviourTest(HTTP2TestCase):
                     if not outcome.may_have_been_delivered:
                         self.assertEqual(counts["t%d" % i], 0)
 
-    def test_a_server_that_goes_away_mid_batch_gives_every_message_one_outcome(self) -> None:
-        self.server.reply_delay = 0.01
-        self.server.by_token["t10"] = [SERVER_GOES_AWAY_AFTER_READ]
-        outcomes = self.push_many(40, concurrency=10, timeout=0.2)
-        self.assert_outcomes_truthful(outcomes)
-        self.assertTrue(outcomes[10].may_have_been_delivered)  # processed, never answered
-        unsent = [o for i, o in enumerate(outcomes) if sent_counts(self.server)["t%d" % i] == 0]
-        self.assertTrue(unsent)
-        self.assertTrue(all(isinstance(o, andpush.NetworkError) for o in unsent))
-        self.assertFalse(unsent[-1].may_have_been_delivered)  # never sent: connect refused
-
-    def test_a_server_that_never_sends_settings_fails_push_many_within_its_timeout(
-            self) -> None:
-        self.server.send_settings = False
-        outcomes = self.push_many(3, timeout=0.05)
-        for outcome in outcomes:
-            self.assertIsInstance(outcome, andpush.NetworkError)
-            self.assertFalse(outcome.may_have_been_delivered)
-        self.assertEqual(self.server.processed, 0)
-
-    def test_a_server_that_never_sends_settings_fails_push_within_its_timeout(self) -> None:
-        self.server.send_settings = False
-        client = self.h2_client(timeout=0.05)
-        outcome = self.bounded(lambda: client.push(V1_MESSAGE), 0.05 + _H2_TIMEOUT_SLACK)
-        self.assertIsInstance(outcome, andpush.NetworkError)
-        self.assertFalse(outcome.may_have_been_delivered)
-        self.assertEqual(self.server.processed, 0)
-
-    def test_a_goaway_every_ten_streams_starves_no_message(self) -> None:
-        self.server.goaway_after = 10
-        outcomes = self.push_many(300, concurrency=50)
-        self.assert_all_sent_once(outcomes, 300)
-        self.assertGreaterEqual(self.server.goaways_sent, 300 // 10)
-
     def test_after_the_shutdown_notice_no_new_stream_opens_on_that_connection(self) -> None:
         self.server.reply_delay = 0.005
         self.server.by_token["t5"] = [SHUTDOWN_NOTICE_AFTER_READ]
         outcomes = self.push_many(80, concurrency=10)
         self.assert_outcomes_truthful(outcomes)
         self.assertEqual(self.server.streams_after_goaway, 0)
-
-    def test_a_goaway_that_closes_at_once_loses_nothing_silently(self) -> None:
-        self.server.reply_delay = 0.02
-        self.server.by_token["t4"] = [GOAWAY_AND_CLOSE_AFTER_READ]
-        outcomes = self.push_many(30, concurrency=10, max_retries=2, backoff_factor=0.001)
-        self.assert_outcomes_truthful(outcomes)
-        self.assertTrue(outcomes[4].may_have_been_delivered)
 
     def test_push_on_a_reused_connection_dropped_after_the_read_is_not_sent_again(
             self) -> None:
@@ -8796,6 +8695,7 @@ SIM_START = 1_000_000.0      # the simulated clock at the start of a run
 SIM_HORIZON = 5_000.0        # simulated seconds after which a run counts as hung
 SIM_TURNS_AT_ONCE = 500      # engine turns at one simulated instant that count as a busy loop
 SIM_TURNS_PER_SECOND = 100   # engine turns a run may take a simulated second, and 100 more
+SIM_TURNS_PER_EVENT = 2      # ... and for each event of its network and callers
 SIM_FCM = "fcm.sim"
 SIM_OAUTH = "oauth.sim"
 SIM_PROJECT = "sim-project"
@@ -8820,6 +8720,7 @@ class SimWorld:
         self._instant = SIM_START
         self._turns_now = 0
         self.turns = 0  # engine turns in all
+        self.events = 0  # events run in all
         self.aborted = False  # after a SimAbort: the event loop only winds down
         self.trace: Optional[List[str]] = None
 
@@ -8832,6 +8733,7 @@ class SimWorld:
 
     def step(self) -> None:
         """Run the next event, moving the clock to it."""
+        self.events += 1
         when, _, action = heapq.heappop(self._events)
         self.move_to(when)
         action()
@@ -8903,10 +8805,12 @@ class SimPipe:
         self._to_server = 0.0
 
     def _when(self, last: float) -> float:
-        when = max(self.world.now + self.latency, last)
+        """When what is sent now arrives: after the latency (now and then up to twice it),
+        and not before what was sent before it."""
+        when = self.world.now + self.latency
         if self.world.rng.random() < 0.1:
             when += self.world.rng.random() * self.latency
-        return when
+        return max(when, last)
 
     def client_write(self, data: bytes) -> None:
         if self.client_closed or not data:
@@ -9145,6 +9049,7 @@ class SimH2Conn(SimServerConnection):
         if self.closed:
             return
         self.goaway = last if self.goaway is None else min(self.goaway, last)
+        self.server.goaways += 1
         self.send(h2_frame(H2_GOAWAY, 0, 0, last.to_bytes(4, "big") + code.to_bytes(4, "big")))
         self._close_when_done()
 
@@ -9324,6 +9229,9 @@ class SimServer:
         self.stuck = rng.choice(("refuse_streams", "goaway_at_once", "max_connections",
                                  "no_answers", "drop_requests")) if self.bad(0.2) else ""
         self.close_every = 0              # HTTP/1.1: close after every N answers
+        self.goaway_every = 0             # HTTP/2: GOAWAY after every N streams
+        self.script: Dict[str, str] = {}  # what it does for a message (once), by its key
+        self.goaways = 0                  # GOAWAYs sent
         self.open_connections: Set[Any] = set()
         self.issued = 0
 
@@ -9337,6 +9245,8 @@ class SimServer:
         """What becomes of a connect: "ok", "refused", "reset" or "stall"."""
         if self.connect:
             return self.connect
+        if self.stuck == "max_connections" and any(not c.closed for c in self.open_connections):
+            return "reset"  # a load balancer at its limit turns the others away
         if not self.bad(0.3):
             return "ok"
         return self.world.rng.choice(("refused", "reset", "stall"))
@@ -9359,6 +9269,7 @@ class SimServer:
                 self.world.after(rng.random() * 20, lambda: conn.settings(self.limit))
             elif what != "none":
                 conn.settings(self.limit)
+            conn.goaway_every = self.goaway_every
             if self.bad(0.2):
                 conn.replenish = False
             if self.bad(0.3):
@@ -9371,10 +9282,7 @@ class SimServer:
                 self._schedule_connection_fault(conn)
         self._idle_close(conn, rng.choice((5.0, 30.0, 90.0, 1000.0)))
         self.open_connections = {c for c in self.open_connections if not c.closed}
-        if self.stuck == "max_connections" and self.open_connections:
-            self.world.after(0.0, lambda: conn.drop(rng.random() < 0.5))  # beyond the limit
-        else:
-            self.open_connections.add(conn)
+        self.open_connections.add(conn)
 
     def _schedule_connection_fault(self, conn: Any) -> None:
         rng = self.world.rng
@@ -9448,7 +9356,7 @@ class SimServer:
         if self.tokens.get(token, 0.0) <= self.world.now:
             self._answer_later(conn, request, 401, _sim_error(401, "UNAUTHENTICATED"), {})
             return
-        what = self._draw(conn, request)
+        what = self.script.pop(key, "") or self._draw(conn, request)
         self.world.note("%s got %s on connection %d, stream %d: %s" % (
             self.kind, key, conn.pipe.number, request.stream_id, what))
         if what not in ("refuse", "drop_before", "error"):  # processed, for delivery
@@ -9501,6 +9409,13 @@ class SimServer:
             self.world.after(think, lambda: conn.drop(rng.random() < 0.5))
         elif what in ("partial", "partial_sure"):
             self.world.after(think, lambda: conn.answer(request, 200, ok_body, {}, partial=True))
+        elif what == "goaway_close":  # GOAWAY after this stream, and the connection closed
+            conn.send_goaway(request.stream_id)
+            conn.close()
+        elif what == "go_down":  # processed; then every connection dropped, none taken
+            self.connect = "refused"
+            for other in list(self.open_connections):
+                self._drop_when_idle(other, reset=False)
 
     def _error(self) -> Tuple[int, Dict[str, str]]:
         rng = self.world.rng
@@ -10011,7 +9926,7 @@ class SimRun:
                                faults * rng.choice((0.0, 0.3, 1.0)), tokens, self.read_timeout)
         for server, name in ((self.fcm, "fcm"), (self.oauth, "oauth")):
             for attribute, value in fixed.get(name, {}).items():
-                setattr(server, attribute, value)
+                setattr(server, attribute, copy.copy(value))  # a script is used up
         self.network = SimNetwork(world, {SIM_FCM: self.fcm, SIM_OAUTH: self.oauth})
         if rng.random() < faults * 0.3:  # FCM forgets every access token it issued
             world.after(rng.random() * 30, tokens.clear)
@@ -10376,7 +10291,7 @@ class SimRun:
             if wasted > most:
                 problem("%d connections to %s carried no answer (at most %d in %.0f s)"
                         % (wasted, server.kind, most, duration))
-        most = SIM_TURNS_PER_SECOND * (1 + duration)
+        most = SIM_TURNS_PER_SECOND * (1 + duration) + SIM_TURNS_PER_EVENT * self.world.events
         if self.world.turns > most:  # a busy loop spread over time
             problem("%d engine turns in %.1f s (at most %d)" % (self.world.turns, duration, most))
         self._check_nothing_left()
@@ -10608,6 +10523,58 @@ class LivenessTest(unittest.TestCase):
             self.assertEqual(len(outcomes), 300)
             failed = [o for o in outcomes if not isinstance(o, andpush.Response)]
             self.assertEqual(failed, [])
+
+
+class MisbehavingServerTest(unittest.TestCase):
+    """What a server's misbehaviour means for each message, on both drivers and both
+    protocols where both apply: scripted simulations (each also checks every invariant of
+    SimRun._check: one truthful outcome per message, none processed twice)."""
+
+    def runs(self, **fixed: Any) -> List[SimRun]:
+        return LivenessTest.runs(self, **fixed)  # type: ignore[arg-type]
+
+    def test_a_dropped_connection_loses_nothing_silently(self) -> None:
+        for run in self.runs(h2=True, faults=0.0, fcm={"script": {"b0-4": "drop_after"}},
+                             options=dict(max_retries=3), pushes=[],
+                             batches=[(0.0, 30, 10, "all", 0)]):
+            outcome = run.calls["b0-4"].outcome
+            self.assertIsInstance(outcome, andpush.NetworkError)
+            self.assertTrue(outcome.may_have_been_delivered)
+
+    def test_a_goaway_that_closes_at_once_loses_nothing_silently(self) -> None:
+        for run in self.runs(h2=True, faults=0.0, fcm={"script": {"b0-4": "goaway_close"}},
+                             options=dict(max_retries=2), pushes=[],
+                             batches=[(0.0, 30, 10, "all", 0)]):
+            self.assertTrue(run.calls["b0-4"].outcome.may_have_been_delivered)
+
+    def test_a_goaway_every_ten_streams_starves_no_message(self) -> None:
+        for run in self.runs(h2=True, faults=0.0, fcm={"goaway_every": 10, "limit": 100},
+                             pushes=[], batches=[(0.0, 300, 50, "all", 0)]):
+            outcomes = outcomes_in(run, "b0-")
+            self.assertEqual(len(outcomes), 300)
+            self.assertTrue(all(isinstance(o, andpush.Response) for o in outcomes))
+            self.assertGreaterEqual(run.fcm.goaways, 300 // 10)
+
+    def test_a_server_that_goes_away_mid_batch_gives_every_message_one_outcome(self) -> None:
+        for h2 in (True, False):
+            for run in self.runs(h2=h2, faults=0.0, fcm={"script": {"b0-10": "go_down"}},
+                                 options=dict(timeout=(1.0, 0.2), max_retries=1), pushes=[],
+                                 batches=[(0.0, 40, 10, "all", 0)]):
+                self.assertTrue(run.calls["b0-10"].outcome.may_have_been_delivered)
+                unsent = [call.outcome for key, call in run.calls.items()
+                          if not run._written(key)]
+                self.assertTrue(unsent)  # the connects after it are refused
+                self.assertTrue(all(not_sent(o) for o in unsent), unsent)
+
+    def test_a_server_that_turns_connections_away_gets_a_few_tries_not_a_storm(self) -> None:
+        for h2 in (True, False):
+            for run in self.runs(h2=h2, faults=0.0, fcm={"stuck": "max_connections", "limit": 1},
+                                 pushes=[], batches=[(0.0, 20, 3, "all", 0)]):
+                self.assertTrue(all(isinstance(o, andpush.Response)
+                                    for o in outcomes_in(run, "b0-")))
+                # The first connection carries them all; the others are turned away, and
+                # tried again only once the hold-off after each round has passed.
+                self.assertLessEqual(run.fcm.connections, 5)
 
 
 if __name__ == "__main__":
