@@ -54,6 +54,16 @@ class FastAPI:
     def post(self, path: str) -> Callable[[_Function], _Function]: ...
 '''
 
+# What the pytest example needs of pytest, which is not installed.
+PYTEST = '''\
+from typing import Any, Callable, ContextManager, Type, TypeVar
+
+_Function = TypeVar("_Function", bound=Callable[..., object])
+
+def fixture(function: _Function) -> _Function: ...
+def raises(expected: Type[BaseException]) -> ContextManager[Any]: ...
+'''
+
 MUST_PASS = '''\
 from typing import AsyncIterator, Dict, Iterator, List, Optional, Tuple
 
@@ -179,6 +189,7 @@ def main(readme: str, folder: str) -> int:
     os.makedirs(folder, exist_ok=True)
     write(folder, "readme_context.pyi", CONTEXT)
     write(folder, "fastapi.pyi", FASTAPI)
+    write(folder, "pytest.pyi", PYTEST)
     context = set(defined(CONTEXT)) - {"AsyncIterator", "Callable", "List", "TypeVar",
                                        "andpush", "_Function", "_CeleryApp"}
     files: List[str] = []
