@@ -105,6 +105,7 @@ class Row:
     min_h2load_rate: Optional[float] = None  # msg/s at least this share of h2load's
     max_h2load_cpu: Optional[float] = None  # CPU per message at most this times h2load's
     min_relay_headroom: Optional[float] = None  # msg/s / relay's CPU share, over the ideal
+    min_rate: Optional[float] = None  # msg/s at least (the fake FCM's row)
     module: str = ""  # what an import row imports, or a peer row needs
     max_ms: Optional[float] = None  # import rows
 
@@ -151,6 +152,8 @@ ROWS = [
         relayed=True, http2=False, concurrency=100, base="ideal", h2load=True),
     Row("many-h1-200", "many", "push_many(concurrency=200), http2=False, new client", count=10_000,
         relayed=True, http2=False, concurrency=200, base="ideal", h2load=True),
+    Row("fake-fcm", "fake", "push_many(concurrency=100) over HTTP/2 to andpush fake-fcm, 50k",
+        count=50_000, concurrency=100, warm=100, min_rate=10_000),
     Row("pyfcm-notify", "pyfcm", "peer: pyfcm notify() sequential", count=1000, http2=False,
         base="floor", module=PYFCM),
     Row("fbadmin-send", "fbadmin-send", "peer: firebase-admin messaging.send() sequential",
@@ -229,11 +232,13 @@ def cpu_seconds(pid: int) -> Optional[float]:
 
 
 def write_certificates(folder: str) -> Dict[str, str]:
-    """The test suite's throw-away CA, server certificate and key, and RSA key, in ``folder``."""
-    import test_andpush as t
+    """The fake FCM's throw-away CA, server certificate and key for 127.0.0.1, and its
+    service account's RSA key (andpush ships them, their keys public), in ``folder``."""
+    import andpush
     paths = {}
-    for name, text in (("ca.pem", t.TEST_CA_PEM), ("cert.pem", t.TEST_SERVER_CERT_PEM),
-                       ("key.pem", t.TEST_SERVER_KEY_PEM), ("rsa.pem", t.TEST_RSA_KEY_PKCS8_PEM)):
+    for name, text in (("ca.pem", andpush._FAKE_CA_PEM), ("cert.pem", andpush._FAKE_CERT_PEM),
+                       ("key.pem", andpush._FAKE_CERT_KEY_PEM),
+                       ("rsa.pem", andpush._FAKE_ACCOUNT_KEY_PEM)):
         paths[name] = os.path.join(folder, name)
         with open(paths[name], "w") as f:
             f.write(text)
@@ -622,6 +627,21 @@ def setup_andpush(row: Row, port: int, cafile: str) -> Work:
     return work, client.close
 
 
+def setup_fake(row: Row, port: int, cafile: str) -> Work:
+    """A client of the fake FCM listening on ``port``, with the credentials it takes."""
+    import andpush
+    client = andpush.new(access_token=andpush._FAKE_ACCESS_TOKEN,
+                         project_id=andpush._FAKE_PROJECT, endpoint="https://127.0.0.1:%d" % port,
+                         ssl_context=andpush.FakeFCM().ssl_context())
+
+    def many(tally: Tally, count: int) -> None:
+        tally.asked += count
+        for _, outcome in client.push_many(messages(count), concurrency=row.concurrency):
+            tally.add(outcome)
+    warm_up(many, row.warm)
+    return many, client.close
+
+
 def setup_async(row: Row, port: int, cafile: str) -> Work:
     """A new asyncio client on a loop of its own: push() from concurrent tasks, or push_many."""
     import asyncio
@@ -730,7 +750,7 @@ SETUPS: Dict[str, Callable[..., Work]] = {
     "threads": setup_andpush, "many": setup_andpush, "multicast": setup_andpush,
     "pyfcm": setup_pyfcm,
     "fbadmin-send": setup_fbadmin, "fbadmin-each": setup_fbadmin, "async-push": setup_async,
-    "async-many": setup_async, "fbadmin-async": setup_fbadmin,
+    "async-many": setup_async, "fbadmin-async": setup_fbadmin, "fake": setup_fake,
 }
 
 
@@ -886,6 +906,8 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
         return result
     if row.kind == "import":
         return import_row(row, result)
+    if row.kind == "fake":
+        return fake_row(row, quick, result)
     if row.http2 and setting.server != "nginx":
         result.note = "not measured: needs nginx"
         return result
@@ -976,6 +998,39 @@ def compare_cpu(results: Dict[str, Result]) -> None:
                                <= other.figures["cpu_per_1k"] / factor),)
 
 
+def fake_row(row: Row, quick: bool, result: Result) -> Result:
+    """The fake FCM's rate: ``andpush fake-fcm`` in a process of its own, and a child that
+    sends to it, as a user's load test would."""
+    port = free_port()
+    fake = start([sys.executable, os.path.join(HERE, "andpush.py"), "fake-fcm", "--port",
+                  str(port), "--quiet"], "the fake FCM", port)
+    before, started = cpu_seconds(fake.pid), time.perf_counter()
+    try:
+        child = subprocess.run(BENCH + ["--child", row.name, "--port", str(port)]
+                               + ["--quick"] * quick, capture_output=True, text=True, cwd=HERE,
+                               timeout=CHILD_DEADLINE)
+        share = cpu_share(fake.pid, before, time.perf_counter() - started)
+    finally:
+        fake.terminate()
+        fake.wait()
+    if child.returncode:
+        result.failure = (child.stderr.strip().splitlines() or ["?"])[-1][:200]
+        return result
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    rate = report["row_ok"] / report["row_seconds"]
+    result.figures = {
+        "server": "fake", "proto": {}, "conns": None, "rate": rate, "ratio": None,
+        "base": None, "cpu_per_1k": 1000 * report["row_cpu"] / max(
+            report["row_ok"] + report["row_failed"], 1), "server_share": share,
+        "relay_share": None}
+    lost = report["row_asked"] - report["row_ok"] - report["row_failed"]
+    if report["row_failed"] or lost:
+        result.failure = "%d failed, %d without an outcome" % (report["row_failed"], lost)
+    if row.min_rate is not None:
+        result.checks = ((">=%s/s" % "{:,}".format(int(row.min_rate)), rate >= row.min_rate),)
+    return result
+
+
 IMPORT_SNIPPET = ("import time; started = time.perf_counter(); import %s; "
                   "print(time.perf_counter() - started)")
 
@@ -1011,7 +1066,8 @@ def cells(result: Result) -> Tuple[str, ...]:
     proto = "+".join({"HTTP/2.0": "h2"}.get(p, p.lower()) + (
         "" if len(figures["proto"]) == 1 else " %d" % n) for p, n in figures["proto"].items())
     shares = (figures["server_share"], figures["relay_share"])
-    return (figures["server"], proto or "-", str(figures["conns"]),
+    return (figures["server"], proto or "-",
+            "-" if figures["conns"] is None else str(figures["conns"]),
             "{:,.0f}".format(figures["rate"]),
             "-" if figures["ratio"] is None else "%.2f %s" % (figures["ratio"], figures["base"]),
             "%.3f" % figures["cpu_per_1k"],
