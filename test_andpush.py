@@ -5211,56 +5211,16 @@ def tokens_sent(server: FakeFCM) -> List[str]:
     return [r.json["message"]["token"] for r in server.requests if r.path.endswith(":send")]
 
 
-#: Faults of push_many's specification that mean the same in HTTP/1.1 and HTTP/2.
-#: kind: (server actions for its token, expected outcome class, times processed)
-PUSH_MANY_FAULTS: Dict[str, Tuple[List[Any], Any, int]] = {
-    "ok": ([], andpush.Response, 1),
-    "unregistered": ([fcm_error(404, "UNREGISTERED")], andpush.UnregisteredError, 1),
-    "invalid": ([fcm_error(400, "INVALID_ARGUMENT")], andpush.InvalidArgumentError, 1),
-    "flaky": ([fcm_error(503, "UNAVAILABLE")], andpush.Response, 2),
-    "down": ([fcm_error(503, "UNAVAILABLE")] * 3, andpush.UnavailableError, 3),
-}
-
-
 class PushManySpec:
     """push_many's specification, run against each protocol by a subclass that also
-    derives from V1TestCase and says, in its class attributes, what differs. Its clients
-    have a fixed access token, but in the fault table's test: there push_many also waits
-    for a service account's first token."""
+    derives from V1TestCase and says, in its class attributes, what differs; its clients
+    have a fixed access token. (What faults mean for each message is MisbehavingServerTest's,
+    on the simulation.)"""
 
-    # The server's class, and the faults of this protocol only (same shape as
-    # PUSH_MANY_FAULTS).
     server_class: Any
-    PROTOCOL_FAULTS: Dict[str, Tuple[List[Any], Any, int]]
     # An action after which the server provably did not process the request, on a
     # connection the client had used before.
     NOT_READ: Action
-    # Client options for the fault table: HTTP/1.1 wants a connection per request, so that
-    # a reset is not taken for a server that closed the connection before reading.
-    FAULT_OPTIONS: Dict[str, Any] = {}
-
-    def test_one_outcome_per_message_in_input_order_under_faults(self: Any) -> None:
-        faults = dict(PUSH_MANY_FAULTS, **self.PROTOCOL_FAULTS)
-        messages: List[Dict[str, Any]] = []
-        expected = []
-        for i in range(60):
-            kind = list(faults)[i % len(faults)]
-            token = "%s-%d" % (kind, i)
-            actions, cls, times = faults[kind]
-            self.server.by_token[token] = list(actions)
-            messages.append({"token": token})
-            expected.append((token, cls, times))
-        messages.insert(7, {"token": "bad", "data": {"n": 1}})
-        expected.insert(7, ("bad", TypeError, 0))
-        client = self.v1_client(max_retries=2, backoff_factor=0.001, **self.FAULT_OPTIONS)
-        outcomes = outcomes_of(client.push_many(messages, concurrency=8), messages)
-        sent = tokens_sent(self.server)
-        for outcome, (token, cls, times) in zip(outcomes, expected):
-            with self.subTest(token):
-                self.assertIsInstance(outcome, cls)
-                self.assertEqual(sent.count(token), times)
-                if isinstance(outcome, andpush.NetworkError):
-                    self.assertTrue(outcome.may_have_been_delivered)
 
     def test_a_message_waiting_for_a_retry_does_not_hold_up_the_others(self: Any) -> None:
         self.server.by_token["t0"] = [fcm_error(503, "UNAVAILABLE")]
@@ -5403,11 +5363,7 @@ class PushManySpec:
 
 class PushManyHTTP11Test(PushManySpec, V1TestCase):
     server_class = FakeFCM
-    PROTOCOL_FAULTS = {
-        "lost": ([RESET_AFTER_READ], andpush.NetworkError, 1),  # reset after processing
-    }
     NOT_READ = RESET_BEFORE_READ
-    FAULT_OPTIONS = {"keep_alive_timeout": 0}
 
 
 class RetryTest(V1TestCase):
@@ -7665,11 +7621,6 @@ class HTTP2Test(HTTP2TestCase):
 
 class PushManyHTTP2Test(PushManySpec, V1TestCase):
     server_class = FakeFCM2
-    PROTOCOL_FAULTS = {
-        "lost": ([RESET_STREAM_AFTER_READ], andpush.NetworkError, 1),  # reset after reading
-        "refused": ([REFUSE_STREAM], andpush.Response, 1),  # not read: sent again at once
-        "unread": ([GOAWAY_BEFORE_READ], andpush.Response, 1),  # above last_stream_id
-    }
     NOT_READ = REFUSE_STREAM
 
     # Pairing is the batch's, whatever the protocol: HTTP/2, the faster, checks it at scale.
@@ -9230,7 +9181,8 @@ class SimServer:
                                  "no_answers", "drop_requests")) if self.bad(0.2) else ""
         self.close_every = 0              # HTTP/1.1: close after every N answers
         self.goaway_every = 0             # HTTP/2: GOAWAY after every N streams
-        self.script: Dict[str, str] = {}  # what it does for a message (once), by its key
+        self.script: Dict[str, List[str]] = {}  # what it does for a message's tries, by key
+        self.received: Dict[str, int] = {}  # requests it read of each message, by key
         self.goaways = 0                  # GOAWAYs sent
         self.open_connections: Set[Any] = set()
         self.issued = 0
@@ -9356,11 +9308,14 @@ class SimServer:
         if self.tokens.get(token, 0.0) <= self.world.now:
             self._answer_later(conn, request, 401, _sim_error(401, "UNAUTHENTICATED"), {})
             return
-        what = self.script.pop(key, "") or self._draw(conn, request)
+        script = self.script.get(key)
+        what = script.pop(0) if script else self._draw(conn, request)
         self.world.note("%s got %s on connection %d, stream %d: %s" % (
             self.kind, key, conn.pipe.number, request.stream_id, what))
-        if what not in ("refuse", "drop_before", "error"):  # processed, for delivery
-            self.delivered[key] = self.delivered.get(key, 0) + 1
+        if what not in ("refuse", "drop_before", "above_goaway"):  # read
+            self.received[key] = self.received.get(key, 0) + 1
+            if not what.startswith("error"):  # processed, for delivery
+                self.delivered[key] = self.delivered.get(key, 0) + 1
         self._act(conn, request, what, self._ok_body(key))
 
     def _draw(self, conn: Any, request: SimRequest) -> str:
@@ -9396,11 +9351,13 @@ class SimServer:
                                rng.random() * self.read_timeout * 2)
         elif what == "never":
             pass
-        elif what == "error":
-            status, headers = self._error()
+        elif what.startswith("error"):  # "error", or "error:503" for that status
+            status, headers = self._error() if what == "error" else (int(what[6:]), {})
             code = {400: "INVALID_ARGUMENT", 404: "UNREGISTERED", 429: "QUOTA_EXCEEDED",
                     500: "INTERNAL", 503: "UNAVAILABLE", 403: "SENDER_ID_MISMATCH"}[status]
             self._answer_later(conn, request, status, _sim_error(status, code), headers, think)
+        elif what == "above_goaway":  # a GOAWAY whose last stream is below this one's
+            conn.send_goaway(request.stream_id - 2)
         elif what == "refuse":
             self.world.after(think, lambda: conn.reset(request, 7))
         elif what == "reset_after":
@@ -9926,7 +9883,7 @@ class SimRun:
                                faults * rng.choice((0.0, 0.3, 1.0)), tokens, self.read_timeout)
         for server, name in ((self.fcm, "fcm"), (self.oauth, "oauth")):
             for attribute, value in fixed.get(name, {}).items():
-                setattr(server, attribute, copy.copy(value))  # a script is used up
+                setattr(server, attribute, copy.deepcopy(value))  # a script is used up
         self.network = SimNetwork(world, {SIM_FCM: self.fcm, SIM_OAUTH: self.oauth})
         if rng.random() < faults * 0.3:  # FCM forgets every access token it issued
             world.after(rng.random() * 30, tokens.clear)
@@ -9942,9 +9899,10 @@ class SimRun:
             batches.append((rng.random() * rng.choice((0.1, 5.0)), size, concurrency,
                             rng.choice(("all", "all", "stop", "close", "drop")),
                             rng.randrange(0, size + 1)))
-        self.batches: List[Tuple[float, SimBatchRecord]] = [
-            (at, SimBatchRecord([{"token": "b%d-%d" % (number, i)} for i in range(size)],
-                                concurrency, how, stop_at))
+        self.batches: List[Tuple[float, SimBatchRecord]] = [  # (a size, or the items)
+            (at, SimBatchRecord(list(size) if isinstance(size, list) else [
+                {"token": "b%d-%d" % (number, i)} for i in range(size)],
+                concurrency, how, stop_at))
             for number, (at, size, concurrency, how, stop_at)
             in enumerate(fixed.get("batches", batches))]
         close_early = rng.random() * 30 if rng.random() < 0.1 else None
@@ -10533,8 +10491,53 @@ class MisbehavingServerTest(unittest.TestCase):
     def runs(self, **fixed: Any) -> List[SimRun]:
         return LivenessTest.runs(self, **fixed)  # type: ignore[arg-type]
 
+    #: A message's fault: the server's answers to its tries, the outcome's class, and how
+    #: many of its requests the server reads.
+    FAULTS: Dict[str, Tuple[List[str], Any, int]] = {
+        "ok": ([], andpush.Response, 1),
+        "unregistered": (["error:404"], andpush.UnregisteredError, 1),
+        "invalid": (["error:400"], andpush.InvalidArgumentError, 1),
+        "flaky": (["error:503"], andpush.Response, 2),
+        "down": (["error:503"] * 3, andpush.UnavailableError, 3),
+    }
+    #: ... and those of each protocol: a request processed and then lost (never sent again),
+    #: and those provably not processed (sent again, at once).
+    PROTOCOL_FAULTS: Dict[bool, Dict[str, Tuple[List[str], Any, int]]] = {
+        False: {"lost": (["partial"], andpush.NetworkError, 1)},  # an answer cut short
+        True: {"lost": (["reset_after"], andpush.NetworkError, 1),  # its stream reset
+               "refused": (["refuse"], andpush.Response, 1),
+               "unread": (["above_goaway"], andpush.Response, 1)},
+    }
+
+    def test_push_many_gives_one_outcome_per_message_in_input_order_under_faults(
+            self) -> None:
+        for h2 in (True, False):
+            faults = dict(self.FAULTS, **self.PROTOCOL_FAULTS[h2])
+            items: List[Dict[str, Any]] = []
+            expected = []
+            script = {}
+            for i in range(60):
+                kind = list(faults)[i % len(faults)]
+                token = "%s-%d" % (kind, i)
+                actions, cls, reads = faults[kind]
+                script[token] = list(actions)
+                items.append({"token": token})
+                expected.append((token, cls, reads))
+            items.insert(7, {"token": "bad", "data": {"n": 1}})  # refused before it is sent
+            expected.insert(7, ("bad", TypeError, 0))
+            for run in self.runs(h2=h2, faults=0.0, fcm={"script": script, "limit": 100},
+                                 options=dict(max_retries=2, backoff_factor=0.001), pushes=[],
+                                 batches=[(0.0, items, 8, "all", 0)]):
+                pairs = run.batches[0][1].pairs  # (their order and items: SimRun._check)
+                self.assertEqual(len(pairs), len(expected))
+                for (_, outcome), (token, cls, reads) in zip(pairs, expected):
+                    self.assertIsInstance(outcome, cls, token)
+                    self.assertEqual(run.fcm.received.get(token, 0), reads, token)
+                    if isinstance(outcome, andpush.NetworkError):
+                        self.assertTrue(outcome.may_have_been_delivered)
+
     def test_a_dropped_connection_loses_nothing_silently(self) -> None:
-        for run in self.runs(h2=True, faults=0.0, fcm={"script": {"b0-4": "drop_after"}},
+        for run in self.runs(h2=True, faults=0.0, fcm={"script": {"b0-4": ["drop_after"]}},
                              options=dict(max_retries=3), pushes=[],
                              batches=[(0.0, 30, 10, "all", 0)]):
             outcome = run.calls["b0-4"].outcome
@@ -10542,7 +10545,7 @@ class MisbehavingServerTest(unittest.TestCase):
             self.assertTrue(outcome.may_have_been_delivered)
 
     def test_a_goaway_that_closes_at_once_loses_nothing_silently(self) -> None:
-        for run in self.runs(h2=True, faults=0.0, fcm={"script": {"b0-4": "goaway_close"}},
+        for run in self.runs(h2=True, faults=0.0, fcm={"script": {"b0-4": ["goaway_close"]}},
                              options=dict(max_retries=2), pushes=[],
                              batches=[(0.0, 30, 10, "all", 0)]):
             self.assertTrue(run.calls["b0-4"].outcome.may_have_been_delivered)
@@ -10557,7 +10560,7 @@ class MisbehavingServerTest(unittest.TestCase):
 
     def test_a_server_that_goes_away_mid_batch_gives_every_message_one_outcome(self) -> None:
         for h2 in (True, False):
-            for run in self.runs(h2=h2, faults=0.0, fcm={"script": {"b0-10": "go_down"}},
+            for run in self.runs(h2=h2, faults=0.0, fcm={"script": {"b0-10": ["go_down"]}},
                                  options=dict(timeout=(1.0, 0.2), max_retries=1), pushes=[],
                                  batches=[(0.0, 40, 10, "all", 0)]):
                 self.assertTrue(run.calls["b0-10"].outcome.may_have_been_delivered)
