@@ -5771,6 +5771,49 @@ Item = TypeVar("Item")  # what the pairs of Outcomes hold with each outcome: a m
 _M = TypeVar("_M", bound=Union[Message, LegacyMessage])  # the messages of a push_many
 
 
+# What stands for the device token in a push_multicast's message, encoded once.
+_TOKEN_SLOT = "andpush-device-token"
+_TOKEN_SLOT_JSON = b'"andpush-device-token"'
+
+
+class _Multicast:
+    """One push_multicast's message, checked and encoded once, with each device token
+    placed into the bytes: the push to a token costs the JSON of the token, not of the
+    message.
+
+    The message goes through the API's ``prepare`` with a stand-in for the token: the
+    token is the message's last field (push_multicast refuses a message with a target),
+    so its JSON is the last string of the body, and what comes before and after it is
+    the same for every token. That is done at the first push made (the project may be
+    known only then); a message ``prepare`` refuses is refused again for each token, as
+    a push of it would be.
+    """
+
+    __slots__ = ("_api", "_message", "_path", "_head", "_tail")
+
+    def __init__(self, api: Union[_LegacyAPI, _V1API], message: Dict[str, Any]) -> None:
+        self._api = api
+        self._message = message
+        self._path = ""
+        self._head = self._tail = b""
+
+    def prepare(self, token: str) -> Tuple[str, bytes, Tuple[str, ...]]:
+        """Path, body and target tokens of the push to ``token`` (checked by the caller),
+        as ``prepare`` gives them for the message with that token."""
+        if not self._path:
+            self._encode()
+        body = self._head + _JSON_ENCODE(token).encode("utf-8") + self._tail
+        # The legacy API answers for a device's token, not for a /topics/ name; v1 for none.
+        return self._path, body, _legacy_tokens({self._api.target: token})
+
+    def _encode(self) -> None:
+        path, body, _ = self._api.prepare(
+            dict(self._message, **{self._api.target: _TOKEN_SLOT}), False)
+        at = body.rindex(_TOKEN_SLOT_JSON)
+        self._head, self._tail = body[:at], body[at + len(_TOKEN_SLOT_JSON):]
+        self._path = path
+
+
 class _Requests:
     """What both clients share: the API, the route to FCM, and how each request is made
     and checked (TypeError/ValueError before any I/O)."""
@@ -5820,10 +5863,15 @@ class _Requests:
             raise TypeError("tokens must be an iterable of str, not one %s"
                             % type(tokens).__name__)
         _check_number("concurrency", concurrency, minimum=1, integer=True)
-        target = self.api.target
+        each = _Multicast(self.api, message)
 
         def to(token: object) -> _Exchange:
-            return self.exchange(dict(message, **{target: _check_device_token(token)}), False)
+            path, body, tokens = each.prepare(_check_device_token(token))
+            exchange = _Exchange(self.route, "POST", path, body, self._retry,
+                                 signer=self.api.signer, headers=self.api.fixed_headers,
+                                 paced=True)
+            exchange.device_tokens = tokens
+            return exchange
         return to
 
     def topic_changes(self, method: str, tokens: Iterable[str],

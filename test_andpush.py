@@ -7419,6 +7419,31 @@ class MulticastTest(HTTP2TestCase):
         self.assertTrue(all(m["notification"] == {"title": "Sale"} for m in sends))
         self.assertEqual(message, {"notification": {"title": "Sale"}})  # left as it was
 
+    def test_each_body_is_the_message_encoded_with_its_token(self) -> None:
+        # The message is encoded once and each token placed into the bytes: a push to a
+        # token carries what push() of the message with that token would, on both APIs,
+        # even when a value of the message is the stand-in for the token.
+        message = {"data": {"k": andpush._TOKEN_SLOT, "n": "\u00e9"},
+                   "notification": {"title": '"quoted" \\ ' + andpush._TOKEN_SLOT}}
+        tokens = ["t0", 'odd"token\\\u00e9\n', andpush._TOKEN_SLOT]
+        for client in (andpush.new(access_token="t", project_id="p"), andpush.new(SERVER_KEY)):
+            api = client._requests.api
+            with self.subTest(api=api.name):
+                each = andpush._Multicast(api, message)
+                for token in tokens:
+                    alone = api.prepare(dict(message, **{api.target: token}), False)
+                    self.assertEqual(each.prepare(token), alone)
+            client.close()
+
+    def test_a_bad_message_is_each_tokens_error_as_push_would_give(self) -> None:
+        client = self.h2_client()
+        pairs = list(client.push_multicast({"data": {"k": 1}}, ["a", "b"]))  # type: ignore[dict-item]
+        self.assertEqual([token for token, _ in pairs], ["a", "b"])
+        for _, outcome in pairs:
+            self.assertIsInstance(outcome, TypeError)
+            self.assertRegex(str(outcome), r"data\['k'\] must be a str")
+        self.assertEqual(self.server.processed, 0)
+
     def test_a_message_with_a_target_or_one_token_is_refused_before_any_io(self) -> None:
         client = self.h2_client()
         for message, tokens, error, pattern in [
