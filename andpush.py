@@ -1496,7 +1496,7 @@ class _H2Stream:
     """One request in flight: what is left to send, and what has come back."""
 
     __slots__ = ("id", "key", "pending", "send_window", "status", "headers", "body",
-                 "deadline", "first_byte")
+                 "deadline", "first_byte", "end_byte", "data_queued")
 
     def __init__(self, stream_id: int, key: object, deadline: float, send_window: int,
                  first_byte: int) -> None:
@@ -1509,6 +1509,8 @@ class _H2Stream:
         self.body: Union[bytes, bytearray] = b""
         self.deadline = deadline
         self.first_byte = first_byte       # where the stream starts in the connection's output
+        self.end_byte = first_byte         # where it ends, while its bytes are one run; else 0
+        self.data_queued = 0               # bytes of DATA queued, counted against the window
 
 
 _CONTENT_LENGTH_FIELDS = {}  # type: Dict[int, bytes]
@@ -1612,20 +1614,44 @@ class _H2Connection:
                     _FRAME_HEAD.pack(length << 8 | _DATA, _END_STREAM, stream_id), body))
                 self._peer_window -= length
                 stream.send_window -= length
+                stream.data_queued = length
             else:
                 self.outgoing += b"".join((_FRAME_HEAD.pack(
                     block_size << 8 | _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
                     head, content_length, tail))
+            stream.end_byte = self._written + len(self.outgoing)
         else:
             self._queue_headers(stream_id, head + content_length + tail, end_stream=not body)
+            stream.end_byte = self._written + len(self.outgoing)
             stream.pending = body
             self._send_data(stream)
         return stream_id
 
     def cancel(self, stream_id: int) -> None:
         """Give up on a stream without an outcome (its sender no longer waits)."""
-        if self.streams.pop(stream_id, None) is not None:
+        stream = self.streams.get(stream_id)
+        if stream is not None and not self._withdraw(stream):
             self.outgoing += _frame(_RST_STREAM, 0, stream_id, _CANCEL.to_bytes(4, "big"))
+        self.streams.pop(stream_id, None)
+
+    def _withdraw(self, stream: _H2Stream) -> bool:
+        """Take a stream's bytes back out of ``outgoing`` if none was written and they are
+        still one run: the server never hears of it (an id skipped is a stream closed, RFC
+        9113 section 5.1.1), so no RST_STREAM is due and it was provably not processed.
+        False if it cannot be taken back (queued bytes are written, a RST_STREAM after
+        them: the server may process it)."""
+        if stream.first_byte < self._written or not stream.end_byte:
+            return False
+        size = stream.end_byte - stream.first_byte
+        start = stream.first_byte - self._written
+        del self.outgoing[start:start + size]
+        self._peer_window += stream.data_queued
+        for other in self.streams.values():
+            if other.first_byte >= stream.end_byte:  # queued after it: now earlier
+                other.first_byte -= size
+                if other.end_byte:
+                    other.end_byte -= size
+        return True
 
     def _header_parts(self, method: str, path: str,
                       headers: Dict[str, str]) -> Tuple[bytes, bytes]:
@@ -1655,17 +1681,20 @@ class _H2Connection:
 
     def _send_data(self, stream: _H2Stream) -> None:
         """Queue as much of the stream's body as the flow-control windows allow."""
+        joined = stream.end_byte == self._written + len(self.outgoing)  # it ends the output
         while stream.pending:
             size = min(len(stream.pending), self._peer_frame, self._peer_window,
                        stream.send_window)
             if size <= 0:
                 self._blocked.append(stream)
-                return
+                break
             piece, stream.pending = stream.pending[:size], stream.pending[size:]
             self._peer_window -= size
             stream.send_window -= size
+            stream.data_queued += size
             self.outgoing += _frame(_DATA, 0 if stream.pending else _END_STREAM, stream.id,
                                     piece)
+        stream.end_byte = self._written + len(self.outgoing) if joined else 0
 
     # Bytes in and out -----------------------------------------------------------
 
@@ -1905,11 +1934,15 @@ class _H2Connection:
     def expire(self, now: float, no_answer: Callable[[Any, bool], Exception]) -> None:
         """End the streams whose deadline (driver time, as given to ``start``) has passed,
         each with the error ``no_answer(key, sent)`` makes for its key (``sent``: whether
-        the server may have processed it)."""
+        the server may have processed it). One none of whose bytes was written is taken
+        back; one partly written, or queued and not taken back, may still arrive."""
         if now < self._earliest:
             return
         for stream in [s for s in self.streams.values() if s.deadline <= now]:
-            self._reset(stream, no_answer(stream.key, self.may_have_arrived(stream)))
+            if self._withdraw(stream):
+                self._finish(stream.id, no_answer(stream.key, False))
+            else:
+                self._reset(stream, no_answer(stream.key, stream.id <= self.last_stream_id))
         self._earliest = min([s.deadline for s in self.streams.values()] + [math.inf])
 
     def next_deadline(self) -> float:
@@ -1941,8 +1974,9 @@ class _H2Connection:
                 self._finish(stream.id, _NotProcessed(reason))
 
     def may_have_arrived(self, stream: _H2Stream) -> bool:
-        """Whether the server may have processed ``stream``: some of it was written, and
-        no GOAWAY left it above the last stream id."""
+        """Whether the server may have processed ``stream`` once the connection is gone
+        (what was queued is never written): some of it was written, and no GOAWAY left it
+        above the last stream id."""
         return stream.first_byte < self._written and stream.id <= self.last_stream_id
 
 

@@ -3505,6 +3505,52 @@ class H2ConnectionTest(H2TestCase):
             ">I", H2_CANCEL)) for stream_id in (1, 3)])
         self.assertEqual((list(conn.streams), conn.next_deadline()), ([5], 30.0))
 
+    def test_a_stream_that_expires_before_any_byte_of_it_was_written_is_taken_back(
+            self) -> None:
+        # Its bytes leave the output (no RST_STREAM for a stream the server never heard
+        # of), so it was provably not processed; one written is reset, and may have been.
+        conn = self.open()
+        self.start(conn, "written", body=b"{}", deadline=10.0)
+        self.sent(conn)
+        self.start(conn, "queued", body=b'{"a": 1}', deadline=10.0)
+        self.start(conn, "later", body=b"{}", deadline=30.0)
+        window = conn._peer_window
+        said: Dict[object, bool] = {}
+
+        def no_answer(key: object, sent: bool) -> Exception:
+            said[key] = sent
+            return andpush.NetworkError(str(key), may_have_been_delivered=sent)
+        conn.expire(10.0, no_answer)
+        self.assertEqual(said, {"written": True, "queued": False})
+        self.assertEqual([(kind, stream_id) for kind, _, stream_id, _ in self.sent(conn)],
+                         [(H2_HEADERS, 5), (H2_DATA, 5), (H2_RST_STREAM, 1)])
+        self.assertEqual(conn._peer_window, window + len(b'{"a": 1}'))
+        self.assertEqual(list(conn.streams), [5])
+
+    def test_a_stream_whose_data_came_after_another_is_reset_when_it_expires(self) -> None:
+        # Its bytes are no longer one run, so it is not taken back: what is queued goes out,
+        # and the server may process it.
+        conn = self.open((H2_INITIAL_WINDOW_SIZE, 4))
+        self.start(conn, "split", body=b"12345678", deadline=10.0)
+        self.start(conn, "other", body=b"{}", deadline=30.0)
+        conn.receive(h2_frame(H2_WINDOW_UPDATE, 0, 1, struct.pack(">I", 4)))
+        said: Dict[object, bool] = {}
+
+        def no_answer(key: object, sent: bool) -> Exception:
+            said[key] = sent
+            return andpush.NetworkError(str(key), may_have_been_delivered=sent)
+        conn.expire(10.0, no_answer)
+        self.assertEqual(said, {"split": True})
+        self.assertEqual([(kind, stream_id) for kind, _, stream_id, _ in self.sent(conn)],
+                         [(H2_HEADERS, 1), (H2_DATA, 1), (H2_HEADERS, 3), (H2_DATA, 3),
+                          (H2_DATA, 1), (H2_RST_STREAM, 1)])
+
+    def test_cancel_before_any_byte_was_written_sends_nothing_of_the_stream(self) -> None:
+        conn = self.open()
+        self.start(conn, "k", body=b"{}")
+        conn.cancel(1)
+        self.assertEqual((self.sent(conn), conn.streams), ([], {}))
+
     def test_ping_is_answered_with_its_payload(self) -> None:
         conn = self.open()
         conn.receive(h2_frame(H2_PING, payload=b"12345678"))
