@@ -5862,10 +5862,14 @@ class _Requests:
 
     def exchange(self, message: object, validate_only: bool) -> _Exchange:
         """A push, checked and encoded (TypeError/ValueError for a bad message)."""
-        path, body, tokens = self.api.prepare(message, validate_only)
+        return self._exchange_of(*self.api.prepare(message, validate_only))
+
+    def _exchange_of(self, path: str, body: bytes,
+                     device_tokens: Tuple[str, ...]) -> _Exchange:
+        """The exchange of a push whose path and body are made (by ``prepare``)."""
         exchange = _Exchange(self.route, "POST", path, body, self._retry,
                              signer=self.api.signer, headers=self.api.fixed_headers, paced=True)
-        exchange.device_tokens = tokens
+        exchange.device_tokens = device_tokens
         return exchange
 
     def push(self, message: object, validate_only: bool, timeout: Optional[float]) -> _Exchange:
@@ -5899,14 +5903,8 @@ class _Requests:
         _check_number("concurrency", concurrency, minimum=1, integer=True)
         each = _Multicast(self.api, message)
 
-        def to(token: object) -> _Exchange:
-            path, body, tokens = each.prepare(_check_device_token(token))
-            exchange = _Exchange(self.route, "POST", path, body, self._retry,
-                                 signer=self.api.signer, headers=self.api.fixed_headers,
-                                 paced=True)
-            exchange.device_tokens = tokens
-            return exchange
-        return to
+        exchange_of = self._exchange_of
+        return lambda token: exchange_of(*each.prepare(_check_device_token(token)))
 
     def topic_changes(self, method: str, tokens: Iterable[str],
                       topic: str) -> Tuple[List[str], Callable[[str], _Exchange]]:
