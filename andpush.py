@@ -1533,7 +1533,78 @@ def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return _FRAME_HEAD.pack(len(payload) << 8 | kind, flags, stream_id) + payload
 
 
-class _H2Connection:
+class _Windowed(Protocol):
+    """A stream as _H2Endpoint sees it: how much DATA the peer lets us send on it."""
+
+    send_window: int
+
+
+class _H2Endpoint:
+    """What both ends of an HTTP/2 connection do alike (the client's _H2Connection, the
+    fake FCM's _FakeH2): keep to the peer's SETTINGS and flow-control windows, and frame
+    a header block. Each end sends the DATA that waited for a window its own way."""
+
+    outgoing: bytearray
+    streams: Mapping[int, _Windowed]
+    _peer_window: int                  # DATA bytes the peer lets us send, all streams together
+    _peer_initial_window: int          # a new stream's window, as the peer's SETTINGS say
+    _peer_frame: int                   # the largest frame the peer takes
+
+    def _unblock(self) -> None:
+        """Queue the DATA that was waiting for a larger window."""
+        raise NotImplementedError
+
+    def _peer_settings(self, payload: bytes) -> Dict[int, int]:
+        """Take a SETTINGS frame of the peer: keep to its windows and frame size, ACK it,
+        send what a larger window lets go; the values it sets, for what else they bind."""
+        if len(payload) % 6:
+            raise _H2Error("a SETTINGS frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+        values = {}
+        for offset in range(0, len(payload), 6):
+            name = int.from_bytes(payload[offset:offset + 2], "big")
+            value = values[name] = int.from_bytes(payload[offset + 2:offset + 6], "big")
+            if name == _SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > _H2_LAST_STREAM:
+                    raise _H2Error("a window above 2^31-1", _FLOW_CONTROL_ERROR)
+                for stream in self.streams.values():
+                    stream.send_window += value - self._peer_initial_window
+                self._peer_initial_window = value
+            elif name == _SETTINGS_MAX_FRAME_SIZE:
+                if not _H2_FRAME <= value <= 16777215:
+                    raise _H2Error("a frame size of %d" % value)
+                self._peer_frame = value
+        self.outgoing += _frame(_SETTINGS, _ACK, 0)
+        self._unblock()
+        return values
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _H2Error("a WINDOW_UPDATE frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+        increment = int.from_bytes(payload, "big") & _H2_LAST_STREAM
+        if stream_id == 0:
+            self._peer_window += increment
+        elif stream_id in self.streams:
+            self.streams[stream_id].send_window += increment
+        self._unblock()
+
+    def _queue_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
+        """HEADERS, then CONTINUATION frames if the block is larger than a frame."""
+        first, rest = block[:self._peer_frame], block[self._peer_frame:]
+        flags = (_END_STREAM if end_stream else 0) | (0 if rest else _END_HEADERS)
+        self.outgoing += _frame(_HEADERS, flags, stream_id, first)
+        while rest:
+            piece, rest = rest[:self._peer_frame], rest[self._peer_frame:]
+            self.outgoing += _frame(_CONTINUATION, 0 if rest else _END_HEADERS, stream_id, piece)
+
+    @staticmethod
+    def _unpadded(payload: bytes) -> bytes:
+        """A padded frame's payload without its pad length and padding."""
+        if not payload or payload[0] >= len(payload):
+            raise _H2Error("bad padding")
+        return payload[1:len(payload) - payload[0]]
+
+
+class _H2Connection(_H2Endpoint):
     """The client side of one HTTP/2 connection, without a socket or a clock.
 
     ``receive`` takes the bytes read, ``outgoing`` holds the bytes to write (the driver
@@ -1671,14 +1742,6 @@ class _H2Connection:
             self._blocks[key] = parts
         return parts
 
-    def _queue_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
-        first, rest = block[:self._peer_frame], block[self._peer_frame:]
-        flags = (_END_STREAM if end_stream else 0) | (0 if rest else _END_HEADERS)
-        self.outgoing += _frame(_HEADERS, flags, stream_id, first)
-        while rest:
-            piece, rest = rest[:self._peer_frame], rest[self._peer_frame:]
-            self.outgoing += _frame(_CONTINUATION, 0 if rest else _END_HEADERS, stream_id, piece)
-
     def _send_data(self, stream: _H2Stream) -> None:
         """Queue as much of the stream's body as the flow-control windows allow."""
         joined = stream.end_byte == self._written + len(self.outgoing)  # it ends the output
@@ -1768,9 +1831,7 @@ class _H2Connection:
         if stream is None:
             return  # a stream we cancelled or gave up on
         if flags & _PADDED:
-            if not payload or payload[0] >= len(payload):
-                raise _H2Error("bad padding")
-            payload = payload[1:len(payload) - payload[0]]
+            payload = self._unpadded(payload)
         if not stream.body:
             stream.body = payload  # the whole body, usually: kept without a copy
         else:
@@ -1787,9 +1848,7 @@ class _H2Connection:
                             payload: bytes) -> None:
         if kind == _HEADERS:
             if flags & _PADDED:
-                if not payload or payload[0] >= len(payload):
-                    raise _H2Error("bad padding")
-                payload = payload[1:len(payload) - payload[0]]
+                payload = self._unpadded(payload)
             if flags & _PRIORITY_FLAG:
                 payload = payload[5:]
             self._header_block = (stream_id, bool(flags & _END_STREAM), bytearray())
@@ -1858,28 +1917,11 @@ class _H2Connection:
                 may_have_been_delivered=True))
 
     def _on_settings(self, payload: bytes) -> None:
-        if len(payload) % 6:
-            raise _H2Error("a SETTINGS frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
+        values = self._peer_settings(payload)
         if self.state == "WAITING_FOR_SETTINGS":
             self.state = "OPEN"
-            self.max_streams = _H2_LAST_STREAM  # unless it says otherwise, just below
-        for offset in range(0, len(payload), 6):
-            name = int.from_bytes(payload[offset:offset + 2], "big")
-            value = int.from_bytes(payload[offset + 2:offset + 6], "big")
-            if name == _SETTINGS_MAX_CONCURRENT_STREAMS:
-                self.max_streams = value
-            elif name == _SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > _H2_LAST_STREAM:
-                    raise _H2Error("a window above 2^31-1", _FLOW_CONTROL_ERROR)
-                for stream in self.streams.values():
-                    stream.send_window += value - self._peer_initial_window
-                self._peer_initial_window = value
-            elif name == _SETTINGS_MAX_FRAME_SIZE:
-                if not _H2_FRAME <= value <= 16777215:
-                    raise _H2Error("a frame size of %d" % value)
-                self._peer_frame = value
-        self.outgoing += _frame(_SETTINGS, _ACK, 0)
-        self._unblock()
+            self.max_streams = _H2_LAST_STREAM  # unless it says otherwise
+        self.max_streams = values.get(_SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams)
 
     def _on_goaway(self, payload: bytes) -> None:
         if len(payload) < 8:
@@ -1892,16 +1934,6 @@ class _H2Connection:
             if stream.id > self.last_stream_id:
                 self._finish(stream.id, _NotProcessed(
                     "the server's GOAWAY left the stream unprocessed"))
-
-    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise _H2Error("a WINDOW_UPDATE frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
-        increment = int.from_bytes(payload, "big") & _H2_LAST_STREAM
-        if stream_id == 0:
-            self._peer_window += increment
-        elif stream_id in self.streams:
-            self.streams[stream_id].send_window += increment
-        self._unblock()
 
     def _unblock(self) -> None:
         """Queue the DATA that was waiting for a larger window, oldest stream first (only
@@ -6781,7 +6813,7 @@ class _FakeStream:
         self.read = False                # the request is whole and was handed over
 
 
-class _FakeH2:
+class _FakeH2(_H2Endpoint):
     """The server side of one HTTP/2 connection, as Google's front end speaks it, without
     a socket or a clock.
 
@@ -6885,7 +6917,7 @@ class _FakeH2:
             if len(self._answers) >= _H2_ANSWER_CACHE:
                 self._answers.clear()
             self._answers[key] = block
-        self._send_headers(stream.id, block, not body)
+        self._queue_headers(stream.id, block, not body)
         if body:
             stream.pending = body
             self._send_data(stream)
@@ -6954,12 +6986,6 @@ class _FakeH2:
             self._on_window_update(stream_id, payload)
         elif kind == _PUSH_PROMISE:
             raise _H2Error("PUSH_PROMISE from a client")
-
-    @staticmethod
-    def _unpadded(payload: bytes) -> bytes:
-        if not payload or payload[0] >= len(payload):
-            raise _H2Error("bad padding")
-        return payload[1:len(payload) - payload[0]]
 
     def _on_headers(self, stream_id: int, end_stream: bool, block: bytes,
                     done: List[_FakeRequest]) -> None:
@@ -7063,43 +7089,7 @@ class _FakeH2:
                 self._limit = self._unacked.popleft().get(_SETTINGS_MAX_CONCURRENT_STREAMS,
                                                           self._limit)
             return
-        if len(payload) % 6:
-            raise _H2Error("a SETTINGS frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
-        for offset in range(0, len(payload), 6):
-            name = int.from_bytes(payload[offset:offset + 2], "big")
-            value = int.from_bytes(payload[offset + 2:offset + 6], "big")
-            if name == _SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > _H2_LAST_STREAM:
-                    raise _H2Error("a window above 2^31-1", _FLOW_CONTROL_ERROR)
-                for stream in self.streams.values():
-                    stream.send_window += value - self._peer_initial_window
-                self._peer_initial_window = value
-            elif name == _SETTINGS_MAX_FRAME_SIZE:
-                if not _H2_FRAME <= value <= 16777215:
-                    raise _H2Error("a frame size of %d" % value)
-                self._peer_frame = value
-        self.outgoing += _frame(_SETTINGS, _ACK, 0)
-        self._unblock()
-
-    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise _H2Error("a WINDOW_UPDATE frame of %d bytes" % len(payload), _FRAME_SIZE_ERROR)
-        increment = int.from_bytes(payload, "big") & _H2_LAST_STREAM
-        if stream_id == 0:
-            self._peer_window += increment
-        elif stream_id in self.streams:
-            self.streams[stream_id].send_window += increment
-        self._unblock()
-
-    def _send_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
-        """HEADERS, then CONTINUATION frames if the block is larger than a frame."""
-        size = self._peer_frame
-        first, rest = block[:size], block[size:]
-        flags = (_END_STREAM if end_stream else 0) | (0 if rest else _END_HEADERS)
-        self.outgoing += _frame(_HEADERS, flags, stream_id, first)
-        while rest:
-            piece, rest = rest[:size], rest[size:]
-            self.outgoing += _frame(_CONTINUATION, 0 if rest else _END_HEADERS, stream_id, piece)
+        self._peer_settings(payload)
 
     def _send_data(self, stream: _FakeStream) -> None:
         while stream.pending:

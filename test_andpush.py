@@ -940,7 +940,7 @@ class _TestH2(andpush._FakeH2):
         promised = max(len(answer.body), 2)
         fields = [(":status", str(answer.status)), *answer.headers,
                   ("content-length", str(promised))]
-        self._send_headers(stream_id, andpush._hpack_encode(fields), False)
+        self._queue_headers(stream_id, andpush._hpack_encode(fields), False)
         self.outgoing += andpush._frame(andpush._DATA, andpush._END_STREAM, stream_id,
                                         answer.body[:promised // 2])
         super()._forget(stream_id)
@@ -964,14 +964,14 @@ class _TestH2(andpush._FakeH2):
             (b"server", b"ESF"), (b"x-xss-protection", b"0"), (b"x-frame-options", b"SAMEORIGIN"),
             (b"alt-svc", b'h3=":443"; ma=2592000,h3-29=":443"; ma=2592000'),
             (b"x-fake", b"%d" % number)]
-        self._send_headers(stream.id, self.encoder.encode(fields), not body)
+        self._queue_headers(stream.id, self.encoder.encode(fields), not body)
         stream.pending = body
         self._send_data(stream)
         return []
 
-    def _send_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
+    def _queue_headers(self, stream_id: int, block: bytes, end_stream: bool) -> None:
         if not self.server.continuation:
-            super()._send_headers(stream_id, block, end_stream)
+            super()._queue_headers(stream_id, block, end_stream)
             return
         size = self.server.continuation_fragment
         pieces = [block[start:start + size] for start in range(0, len(block), size)] or [b""]
