@@ -1546,6 +1546,7 @@ class _H2Endpoint:
 
     outgoing: bytearray
     streams: Mapping[int, _Windowed]
+    _in: bytearray                     # the start of a frame not yet whole
     _peer_window: int                  # DATA bytes the peer lets us send, all streams together
     _peer_initial_window: int          # a new stream's window, as the peer's SETTINGS say
     _peer_frame: int                   # the largest frame the peer takes
@@ -1553,6 +1554,37 @@ class _H2Endpoint:
     def _unblock(self) -> None:
         """Queue the DATA that was waiting for a larger window."""
         raise NotImplementedError
+
+    def _joined(self, data: bytes) -> bytes:
+        """``data`` after the start of a frame kept from before, as bytes (so that each
+        payload is one copy, and a header block hashable)."""
+        kept = self._in
+        if kept:
+            kept += data
+            data = bytes(kept)
+            kept.clear()
+        elif type(data) is not bytes:
+            data = bytes(data)
+        return data
+
+    def _frames(self, data: bytes, offset: int = 0) -> Iterator[Tuple[int, int, int, bytes]]:
+        """The whole frames of ``data`` from ``offset``, as (type, flags, stream id,
+        payload); the start of one not yet whole is kept for the next bytes."""
+        end = len(data)
+        unpack = _FRAME_HEAD.unpack_from
+        while end - offset >= 9:
+            head, flags, stream_id = unpack(data, offset)
+            length = head >> 8
+            if length > _H2_FRAME:
+                raise _H2Error("a frame of %d bytes" % length, _FRAME_SIZE_ERROR)
+            stop = offset + 9 + length
+            if stop > end:
+                break
+            payload = data[offset + 9:stop]
+            offset = stop
+            yield head & 0xFF, flags, stream_id & _H2_LAST_STREAM, payload
+        if offset < end:
+            self._in[:] = data[offset:]
 
     def _peer_settings(self, payload: bytes) -> Dict[int, int]:
         """Take a SETTINGS frame of the peer: keep to its windows and frame size, ACK it,
@@ -1771,30 +1803,9 @@ class _H2Connection(_H2Endpoint):
 
         Raises _H2Error when the server broke the protocol; call ``abort`` then.
         """
-        buffer = self._in
-        if buffer:
-            buffer += data
-            data = bytes(buffer)
-        elif type(data) is not bytes:
-            data = bytes(data)  # so that each payload is one copy, and a header block hashable
-        offset = 0
-        end = len(data)
-        unpack = _FRAME_HEAD.unpack_from
-        while end - offset >= 9:
-            head, flags, stream_id = unpack(data, offset)
-            length = head >> 8
-            if length > _H2_FRAME:
-                raise _H2Error("a frame of %d bytes" % length, _FRAME_SIZE_ERROR)
-            stop = offset + 9 + length
-            if stop > end:
-                break
-            payload = data[offset + 9:stop]
-            offset = stop
-            self._on_frame(head & 0xFF, flags, stream_id & _H2_LAST_STREAM, payload)
-        if offset < end:
-            buffer[:] = data[offset:]
-        elif buffer:
-            buffer.clear()
+        on_frame = self._on_frame
+        for kind, flags, stream_id, payload in self._frames(self._joined(data)):
+            on_frame(kind, flags, stream_id, payload)
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._header_block is not None and kind != _CONTINUATION:
@@ -6865,41 +6876,21 @@ class _FakeH2(_H2Endpoint):
             name.to_bytes(2, "big") + value.to_bytes(4, "big") for name, value in values.items()))
 
     def receive(self, data: bytes) -> List[_FakeRequest]:
-        buffer = self._in
-        if buffer:
-            buffer += data
-            data = bytes(buffer)
-        elif type(data) is not bytes:
-            data = bytes(data)
+        data = self._joined(data)
         offset = 0
         if not self._preface:
             if len(data) < len(_H2_PREFACE):
                 if not _H2_PREFACE.startswith(data):
                     raise _H2Error("no HTTP/2 client preface")
-                buffer[:] = data
+                self._in[:] = data
                 return []
             if not data.startswith(_H2_PREFACE):
                 raise _H2Error("no HTTP/2 client preface")
             self._preface = True
             offset = len(_H2_PREFACE)
         done: List[_FakeRequest] = []
-        end = len(data)
-        unpack = _FRAME_HEAD.unpack_from
-        while end - offset >= 9:
-            head, flags, stream_id = unpack(data, offset)
-            length = head >> 8
-            if length > _H2_FRAME:
-                raise _H2Error("a frame of %d bytes" % length, _FRAME_SIZE_ERROR)
-            stop = offset + 9 + length
-            if stop > end:
-                break
-            self._on_frame(head & 0xFF, flags, stream_id & _H2_LAST_STREAM,
-                           data[offset + 9:stop], done)
-            offset = stop
-        if offset < end:
-            buffer[:] = data[offset:]
-        elif buffer:
-            buffer.clear()
+        for kind, flags, stream_id, payload in self._frames(data, offset):
+            self._on_frame(kind, flags, stream_id, payload, done)
         return done
 
     def answer(self, request: _FakeRequest, status: int, headers: Iterable[Tuple[str, str]],
