@@ -805,7 +805,10 @@ class _Policy:
             return now
         if self._paused_until > now and exchange.retry.retries == 0:
             assert self._pause_cause is not None
-            exchange.outcome = _paused(self._pause_cause, self._paused_until - now)
+            # At most the longest wait, which a difference of clock readings can exceed
+            # by a rounding (a pause of 120 s read back as 120.00000000000091).
+            exchange.outcome = _paused(self._pause_cause,
+                                       min(self._paused_until - now, _MAX_RETRY_WAIT))
             return None
         start = max(now, self._paused_until, self._next_slot)
         if self._interval:

@@ -5459,7 +5459,8 @@ class RetryTest(V1TestCase):
         client = self.fixed_token_client()
         client.push({"token": "warm-up"})  # the access token first
         self.server.inject(fcm_error(429, "QUOTA_EXCEEDED", Retry_After="86400"))
-        clock = FakeClock.install(client)
+        # A start where the pause read back from clock readings is 120.00000000000023 s.
+        clock = FakeClock.install(client, start=2040.1090003485567)
         with self.assertRaises(andpush.QuotaExceededError):
             client.push(V1_MESSAGE)
         with self.assertRaises(andpush.QuotaExceededError) as caught:
