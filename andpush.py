@@ -2575,10 +2575,15 @@ class _Engine:
 
     def _has_work(self) -> bool:
         """Whether anything but idle connections is left: requests, batches, timers."""
-        return bool(
-            self._timers or self._batches or self._needs_token or self._dirty or self._arrived
-            or any(route.waiting or route.connecting or route.busy
-                   or any(h2.conn.streams for h2 in route.h2) for route in self._routes))
+        if self._timers or self._batches or self._needs_token or self._dirty or self._arrived:
+            return True
+        for route in self._routes:
+            if route.waiting or route.connecting or route.busy:
+                return True
+            for h2 in route.h2:
+                if h2.conn.streams:
+                    return True
+        return False
 
     def _connected(self, route: _Route, carrier: Any, h2: bool, generation: int) -> bool:
         """Take a connection ``_open`` asked for (``carrier``: the driver's own); False if
@@ -3386,7 +3391,8 @@ class _ThreadDriver(_Engine):
         """The running thread leaves the driver (the lock is held): idle connections stay
         open for the next request; with none open, the selector goes too."""
         self._thread = None
-        self._runner_left.notify_all()
+        if self._closed:  # close() may be waiting for this (no other call waits)
+            self._runner_left.notify_all()
         if self._selector is not None and (
                 self._closed or not any(route.connections() for route in self._routes)):
             assert self._wake_r is not None and self._wake_w is not None
@@ -3470,7 +3476,8 @@ class _ThreadDriver(_Engine):
     def _step(self, mine: Optional[_Exchange] = None) -> bool:
         """One turn: take new work, do what is due, wait for the sockets, read and write.
         False when the driver parks (closed, or nothing left but idle connections). A
-        caller running the driver for ``mine`` does not wait once it has ended."""
+        caller running the driver for ``mine`` does not wait once it has ended (until then,
+        there is work: ``mine``)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
             closed = self._closed
@@ -3485,9 +3492,10 @@ class _ThreadDriver(_Engine):
                 self._park()
             return False
         timeout = self._turn()
-        if mine is not None and mine.outcome is not None:
-            return True
-        if not self._has_work():
+        if mine is not None:
+            if mine.outcome is not None:
+                return True
+        elif not self._has_work():
             timeout = 0.0  # the next step parks, unless work came meanwhile
         self._selecting = True
         ready = self._sel().select(timeout)
