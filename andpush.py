@@ -703,13 +703,13 @@ class _NotProcessed(Exception):
 class _Clock:
     """The one seam for time: every deadline, pause, pace and backoff goes through it.
 
-    ``now`` is what they are measured in; ``delay`` turns a wait the policy asks for into
-    the seconds the driver really waits. Each engine has one (``clock``), which the token
-    cache reads too; tests replace it to run without sleeping.
+    ``now`` is what they are measured in (the monotonic clock itself, called directly);
+    ``delay`` turns a wait the policy asks for into the seconds the driver really waits.
+    Each engine has one (``clock``), which the token cache reads too; tests replace it to
+    run without sleeping.
     """
 
-    def now(self) -> float:
-        return time.monotonic()
+    now = staticmethod(time.monotonic)
 
     def delay(self, seconds: float) -> float:
         return seconds
@@ -2348,7 +2348,7 @@ class _Link:
     (a non-blocking socket, or an asyncio transport), which only the driver touches."""
 
     __slots__ = ("carrier", "route", "closed", "idle_since", "last_read", "usable", "carried",
-                 "answered")
+                 "answered", "blocked")
 
     def __init__(self, carrier: Any, route: "_Route", now: float) -> None:
         self.carrier = carrier
@@ -2359,6 +2359,7 @@ class _Link:
         self.usable = True      # it may carry requests (an HTTP/2 one once its SETTINGS came)
         self.carried = False    # a request was started on it
         self.answered = False   # an answer came on it: the server works
+        self.blocked = False    # the thread driver waits for room to write on it
 
     def pending(self) -> bytearray:
         """The bytes waiting to be written."""
@@ -3612,9 +3613,10 @@ class _ThreadDriver(_Engine):
         except OSError as exc:
             self._lost(link, "the connection broke: %s" % _reason(exc))
             return
-        left = out or tls and sock.unsent
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if left else 0)
-        if events != self._sel().get_key(sock).events:
+        blocked = bool(out or tls and sock.unsent)
+        if blocked != link.blocked:
+            link.blocked = blocked
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if blocked else 0)
             self._sel().modify(sock, events, link)
 
     def _read(self, link: _Link) -> None:
