@@ -892,15 +892,14 @@ def _is_digits(text: str) -> bool:
 
 def _encode_request(host: str, method: str, path: str, headers: Dict[str, str],
                     body: bytes) -> bytes:
-    """The bytes of one HTTP/1.1 request, head and body, to be written in one go."""
-    lines = [
-        "%s %s HTTP/1.1" % (method, path),
-        "Host: " + host,
-        "User-Agent: " + _USER_AGENT,
-        "Content-Length: %d" % len(body),
-    ]
-    lines.extend("%s: %s" % item for item in headers.items())
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+    """The bytes of one HTTP/1.1 request, head and body, to be written in one go (the head
+    joined from its pieces: cheaper than formatting each line)."""
+    parts = [method, " ", path, " HTTP/1.1\r\nHost: ", host, "\r\nUser-Agent: ", _USER_AGENT,
+             "\r\nContent-Length: ", str(len(body))]
+    for name, value in headers.items():
+        parts += ("\r\n", name, ": ", value)
+    parts.append("\r\n\r\n")
+    return "".join(parts).encode("latin-1") + body
 
 
 # A response head as _H1Reader reads it: status, reason, headers, whether the connection
@@ -994,9 +993,11 @@ class _H1Reader:
         return True
 
     def _read_body(self) -> bool:
-        self._take(self._remaining)
-        if self._remaining:
+        """The body of the length given, taken at once when it is all there."""
+        if len(self._buffer) < self._remaining:
             return False
+        self._body = self._buffer[:self._remaining]
+        del self._buffer[:self._remaining]
         self.state = "DONE"
         return True
 
