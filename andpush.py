@@ -82,6 +82,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import weakref
 from typing import (
     Any, AsyncIterable, AsyncIterator, Awaitable, Callable, Deque, Dict, FrozenSet, Generic,
     Iterable, Iterator, List, Mapping, NoReturn, Optional, Set, TYPE_CHECKING, Protocol,
@@ -3035,7 +3036,7 @@ class _Engine:
             del link.route.busy[link]
             link.route.idle.append(link)
             link.reused = True
-            link.idle_since = self.clock.now()
+            link.idle_since = link.last_read  # (its answer's end was just read)
             self._soon(link.idle_since + self._keep_alive_timeout)
         else:
             self._drop(link)
@@ -3267,6 +3268,20 @@ class _Engine:
         self._batches, self._dirty = [], []
 
 
+# Every thread driver of this process: a fork marks each one's copy in the child, which
+# starts afresh when next used (a mark, not a check of the process id at each push).
+_THREAD_DRIVERS = weakref.WeakSet()  # type: weakref.WeakSet[_ThreadDriver]
+
+
+def _mark_forked_drivers() -> None:
+    for driver in _THREAD_DRIVERS:
+        driver.forked = True
+
+
+if hasattr(os, "register_at_fork"):  # (no fork where it is not)
+    os.register_at_fork(after_in_child=_mark_forked_drivers)
+
+
 class _ThreadDriver(_Engine):
     """The engine's thread driver: a selector over non-blocking sockets, run by one
     thread at a time, and only while there is work.
@@ -3290,12 +3305,13 @@ class _ThreadDriver(_Engine):
         self._runner_left = threading.Condition(self._lock)
         self._inbox: List[Callable[[], None]] = []
         self._thread: Optional[threading.Thread] = None  # the thread running the driver now
-        self._pid = os.getpid()
+        self.forked = False  # this is a forked child's copy, not yet started afresh
         self._closed = False
         self._selector: Optional[selectors.BaseSelector] = None  # while connections are open
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._selecting = False  # the running thread waits in select: the state is whole
+        _THREAD_DRIVERS.add(self)
 
     # Any thread -------------------------------------------------------------------
 
@@ -3326,12 +3342,13 @@ class _ThreadDriver(_Engine):
 
     def close(self) -> None:
         """End every connection; requests still under way end with a NetworkError."""
-        forked = self._in_a_forked_child()
+        if self.forked:
+            self._new_lock()
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if forked:
+            if self.forked:
                 self._forked()
             runner = self._thread
             if runner is None:
@@ -3350,11 +3367,12 @@ class _ThreadDriver(_Engine):
     def _post(self, work: Callable[[], None], lead: bool = False) -> bool:
         """Hand ``work`` to the thread running the driver; with none running, the caller
         becomes it if it may ``lead`` (and True is returned), else a new thread does."""
-        forked = self._in_a_forked_child()
+        if self.forked:
+            self._new_lock()
         with self._lock:
             if self._closed:
                 raise ValueError("the client is closed; create a new one")
-            if forked:
+            if self.forked:
                 self._forked()
             woken = bool(self._inbox)  # the driver was woken for what waits there already
             self._inbox.append(work)
@@ -3365,14 +3383,11 @@ class _ThreadDriver(_Engine):
             self.wake()  # outside the lock, which a thread waiting in send would hold
         return False
 
-    def _in_a_forked_child(self) -> bool:
-        """Whether this process is a fork of the one the driver ran in; if so, the lock is
-        new (the parent's thread may have held it at the fork), and _forked is due."""
-        if self._pid == os.getpid():
-            return False
+    def _new_lock(self) -> None:
+        """In a forked child: a lock of its own (the parent's thread may have held the lock
+        at the fork); _forked is due."""
         self._lock = threading.Lock()
         self._runner_left = threading.Condition(self._lock)
-        return True
 
     def _take_over(self, lead: bool) -> None:
         """Make the caller (``lead``) or a new thread the one running the driver (the lock
@@ -3396,7 +3411,7 @@ class _ThreadDriver(_Engine):
         if self._closed:  # close() may be waiting for this (no other call waits)
             self._runner_left.notify_all()
         if self._selector is not None and (
-                self._closed or not any(route.connections() for route in self._routes)):
+                self._closed or not any(map(_Route.connections, self._routes))):
             assert self._wake_r is not None and self._wake_w is not None
             self._selector.close()
             self._wake_r.close()
@@ -3419,7 +3434,7 @@ class _ThreadDriver(_Engine):
         self._batches, self._timers, self._needs_token, self._refreshing = [], [], [], []
         self._dirty, self._inbox, self._arrived = [], [], []
         self._thread = None
-        self._pid = os.getpid()
+        self.forked = False
 
     # The thread running the driver ----------------------------------------------------
 
