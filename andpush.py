@@ -1806,23 +1806,28 @@ class _H2Connection(_H2Endpoint):
     def receive(self, data: bytes) -> None:
         """Handle the frames in ``data`` (and any partial frame left from before).
 
+        Those of answers, HEADERS and DATA, are handled in this one pass over the frames,
+        as is the RST_STREAM nginx sends after each stream it answered (ended already,
+        nothing to do); the rest in _on_frame.
         Raises _H2Error when the server broke the protocol; call ``abort`` then.
         """
-        on_frame = self._on_frame
+        streams = self.streams
         for kind, flags, stream_id, payload in self._frames(self._joined(data)):
-            on_frame(kind, flags, stream_id, payload)
+            if self._header_block is not None and kind != _CONTINUATION:
+                raise _H2Error("a header block was interrupted")
+            if self.state == "WAITING_FOR_SETTINGS" and kind != _SETTINGS:
+                raise _H2Error("the server's first frame was not SETTINGS")
+            if kind == _DATA:
+                self._on_data(flags, stream_id, payload)
+            elif kind == _HEADERS and flags & (_END_HEADERS | _PADDED | _PRIORITY_FLAG) \
+                    == _END_HEADERS:  # the usual block, whole in one frame
+                self._on_headers(stream_id, bool(flags & _END_STREAM), payload)
+            elif kind != _RST_STREAM or stream_id in streams:
+                self._on_frame(kind, flags, stream_id, payload)
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if self._header_block is not None and kind != _CONTINUATION:
-            raise _H2Error("a header block was interrupted")
-        if self.state == "WAITING_FOR_SETTINGS" and kind != _SETTINGS:
-            raise _H2Error("the server's first frame was not SETTINGS")
-        if kind == _DATA:
-            self._on_data(flags, stream_id, payload)
-        elif kind == _HEADERS and flags & (_END_HEADERS | _PADDED | _PRIORITY_FLAG) == _END_HEADERS:
-            # The usual block, whole in one frame (which is smaller than _MAX_HEAD).
-            self._on_headers(stream_id, bool(flags & _END_STREAM), payload)
-        elif kind in (_HEADERS, _CONTINUATION):
+        """Handle a frame other than the usual ones of an answer."""
+        if kind in (_HEADERS, _CONTINUATION):
             self._on_header_fragment(kind, flags, stream_id, payload)
         elif kind == _RST_STREAM:
             self._on_reset(stream_id, payload)
@@ -1922,8 +1927,7 @@ class _H2Connection(_H2Endpoint):
         return answer
 
     def _on_reset(self, stream_id: int, payload: bytes) -> None:
-        if stream_id not in self.streams:
-            return  # ended already: nginx resets each stream it answered before its body
+        """The server reset a stream still open (receive passes over those ended)."""
         code = int.from_bytes(payload[:4], "big")
         if code == _REFUSED_STREAM:
             self._finish(stream_id, _NotProcessed("the server refused the stream"))
@@ -1962,12 +1966,14 @@ class _H2Connection(_H2Endpoint):
     # Ending streams -------------------------------------------------------------
 
     def _complete(self, stream: _H2Stream) -> None:
+        """The server ended the stream: finish it with its answer."""
         if not stream.status:  # DATA before HEADERS, or only a 1xx: no answer at all
             self._reset(stream, NetworkError("the server ended the stream without a :status",
                                              may_have_been_delivered=True))
             return
-        response = Response(stream.status, "", stream.headers, bytes(stream.body))
-        self._finish(stream.id, response)
+        del self.streams[stream.id]
+        self.finished.append(
+            (stream.key, Response(stream.status, "", stream.headers, bytes(stream.body))))
 
     def _finish(self, stream_id: int, outcome: Union[Response, Exception]) -> None:
         stream = self.streams.pop(stream_id, None)
