@@ -751,8 +751,8 @@ class _Exchange:
                  "halted", "fresh")
 
     def __init__(self, route: "_Route", method: str, path: str, body: bytes, retry: _Retry,
-                 *, signer: Optional[_Signer] = None, headers: Optional[Dict[str, str]] = None,
-                 paced: bool = False) -> None:
+                 signer: Optional[_Signer] = None, headers: Optional[Dict[str, str]] = None,
+                 paced: bool = False, device_tokens: Tuple[str, ...] = ()) -> None:
         self.route = route
         self.method = method
         self.path = path
@@ -767,7 +767,7 @@ class _Exchange:
         self.outcome: Optional[Outcome] = None
         self.on_done: Callable[["_Exchange"], None] = _ignore
         self.index = 0                       # its place in a push_many
-        self.device_tokens: Tuple[str, ...] = ()  # the device tokens of a legacy push
+        self.device_tokens = device_tokens   # the device tokens of a legacy push
         self.timeout = 0.0                   # seconds a try may wait (0: the client's)
         self.deadline = 0.0                  # for the answer of the attempt on the wire
         self.send_by = 0.0                   # for this try's request to go out
@@ -5800,6 +5800,7 @@ class _V1API:
         self._tokens = _TokenCache(credentials, engine)
         self._project_id = project_id
         self._project_path = ""
+        self._send_path = ""  # the project path's messages:send
         self.refreshable = credentials.refreshable
         self.signer: Optional[_Signer] = self
         self._last_signed = self._signed("")  # what headers_now gave last, for its token
@@ -5809,7 +5810,9 @@ class _V1API:
         body = _encode_json(checked)
         _check_data_sizes(checked, body)
         tail = b',"validate_only":true}' if validate_only else b',"validate_only":false}'
-        return self.project_path() + "/messages:send", b'{"message":' + body + tail, ()
+        if not self._send_path:
+            self.project_path()  # finds the project, once (the threaded client may ask GCE)
+        return self._send_path, b'{"message":' + body + tail, ()
 
     def headers(self) -> Tuple[Dict[str, str], str]:
         """The headers of a send, with the access token (fetched if need be: it may block)."""
@@ -5868,6 +5871,7 @@ class _V1API:
         if not project:
             raise AuthError("no Firebase project id: pass project_id= or set GOOGLE_CLOUD_PROJECT")
         self._project_path = "/v1/projects/" + urllib.parse.quote(project, safe="")
+        self._send_path = self._project_path + "/messages:send"
 
     def invalidate(self, token: str) -> None:
         self._tokens.invalidate(token)
@@ -5938,17 +5942,18 @@ class _Requests:
     def describe(self, client: object) -> str:
         return "<andpush.%s %s %r>" % (type(client).__name__, self.api.name, self.route)
 
-    def exchange(self, message: object, validate_only: bool) -> _Exchange:
+    def exchange(self, message: object, validate_only: bool = False) -> _Exchange:
         """A push, checked and encoded (TypeError/ValueError for a bad message)."""
         return self._exchange_of(*self.api.prepare(message, validate_only))
 
     def _exchange_of(self, path: str, body: bytes,
                      device_tokens: Tuple[str, ...]) -> _Exchange:
-        """The exchange of a push whose path and body are made (by ``prepare``)."""
-        exchange = _Exchange(self.route, "POST", path, body, self._retry,
-                             signer=self.api.signer, headers=self.api.fixed_headers, paced=True)
-        exchange.device_tokens = device_tokens
-        return exchange
+        """The exchange of a push whose path and body are made (by ``prepare``): paced,
+        signed by the API's signer or with its fixed headers. The arguments go by place,
+        not by name, as a call by name costs a dict per push."""
+        api = self.api
+        return _Exchange(self.route, "POST", path, body, self._retry, api.signer,
+                         api.fixed_headers, True, device_tokens)
 
     def push(self, message: object, validate_only: bool, timeout: Optional[float]) -> _Exchange:
         exchange = self.exchange(message, validate_only)
@@ -5963,8 +5968,7 @@ class _Requests:
             raise TypeError("push_many takes many messages, not one dict: push(message) sends "
                             "one, push_many([message]) a list of one")
         _check_number("concurrency", concurrency, minimum=1, integer=True)
-        exchange = self.exchange
-        return lambda message: exchange(message, False)
+        return self.exchange
 
     def to_each(self, message: Mapping[str, Any], tokens: object,
                 concurrency: int) -> Callable[[Any], _Exchange]:
