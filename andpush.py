@@ -3982,8 +3982,8 @@ class _Batch:
         self._window = concurrency * _WINDOW_PER_WORKER
         self._progress = progress
         self._lock = threading.Lock()
-        self._prepared: Deque[int] = collections.deque()  # the items read, not yet started
-        self._items_out: Dict[int, Any] = {}  # the item of each exchange not yet ended
+        # The (index, item) of each item read and not yet started.
+        self._prepared: Deque[Tuple[int, Any]] = collections.deque()
         self._outcomes: Dict[int, Tuple[Any, Outcome]] = {}
         self._handed: Deque[Tuple[Any, Outcome]] = collections.deque()  # taken, not yet given
         self._read = 0          # items taken from the input
@@ -3994,7 +3994,9 @@ class _Batch:
         self._reading = True    # the feeder may take more items
         self._halting = False   # stopped: nothing more is sent
         self._halt_due = False  # the engine is yet to end what the batch holds unsent
-        self._exchanges: Dict[int, _Exchange] = {}  # begun and not ended, by item index
+        # The item and exchange of each exchange begun and not ended, by item index: the
+        # engine's thread alone touches it.
+        self._begun: Dict[int, Tuple[Any, _Exchange]] = {}
         self._engine_waits = False  # the engine found nothing prepared and wants a wake
         self._error: Optional[BaseException] = None  # raised after the last pair
         # Exchanges the engine ended and has not stored yet: its thread alone touches this
@@ -4046,10 +4048,8 @@ class _Batch:
             if not self._reading:
                 return False
             for item in items:
-                index = self._read
+                self._prepared.append((self._read, item))
                 self._read += 1
-                self._items_out[index] = item
-                self._prepared.append(index)
             wake, self._engine_waits = self._engine_waits, False
         if wake:
             self.route.engine.wake()
@@ -4083,8 +4083,8 @@ class _Batch:
         with self._lock:
             self._store_ended()
             if self._halting:  # taken from the input, never to be sent
-                for index in self._prepared:
-                    self._store(index, self._items_out.pop(index), _Stopped())
+                for index, item in self._prepared:
+                    self._store(index, item, _Stopped())
                 self._prepared.clear()
                 return []
             room = min(self.concurrency - self._in_flight, _RUN)
@@ -4093,27 +4093,26 @@ class _Batch:
             if taken:
                 self._half_free()
             self._note_room()
-            return [(index, self._items_out[index]) for index in taken]
+            return taken
 
     def _make_all(self, run: List[Tuple[int, Any]]) -> List[_Exchange]:
         """The exchanges of a run's items; a bad message gets its outcome instead."""
         exchanges = []
         finished = self._finished
+        begun = self._begun
         for index, item in run:
             try:
                 exchange = self._make(item)
             except Exception as exc:  # a bad message, or worse: its outcome
                 with self._lock:
                     self._in_flight -= 1
-                    self._store(index, self._items_out.pop(index), exc)
+                    self._store(index, item, exc)
                     self._note_room()
                 continue
             exchange.index = index
             exchange.on_done = finished
             exchanges.append(exchange)
-        with self._lock:
-            for exchange in exchanges:
-                self._exchanges[exchange.index] = exchange
+            begun[index] = item, exchange
         return exchanges
 
     def halted(self) -> List[_Exchange]:
@@ -4123,7 +4122,7 @@ class _Batch:
             return []
         with self._lock:
             self._halt_due = False
-            return list(self._exchanges.values())
+            return [exchange for _, exchange in self._begun.values()]
 
     def ended(self) -> bool:
         """Whether the engine may forget the batch: nothing left to read, start or end."""
@@ -4158,9 +4157,8 @@ class _Batch:
         self._in_flight -= len(ended)
         for exchange in ended:
             assert exchange.outcome is not None
-            self._exchanges.pop(exchange.index, None)
-            self._store(exchange.index, self._items_out.pop(exchange.index, None),
-                        exchange.outcome)
+            item, _ = self._begun.pop(exchange.index)
+            self._store(exchange.index, item, exchange.outcome)
 
     def _note_room(self) -> None:
         """Whether the engine, with room and nothing prepared, waits for the feeder's wake
@@ -4174,9 +4172,8 @@ class _Batch:
         with self._lock:
             self._fed = False
             self._store_ended()
-            for index in self._prepared:
-                self._store(index, self._items_out.pop(index),
-                            NetworkError(reason, may_have_been_delivered=False))
+            for index, item in self._prepared:
+                self._store(index, item, NetworkError(reason, may_have_been_delivered=False))
             self._prepared.clear()
             if self._reading:
                 self._reading = False
@@ -4207,11 +4204,9 @@ class _Batch:
         the consumer alone reads), so that a consumer keeping up takes the lock, and
         wakes, once per run of answers rather than once per message."""
         self._half_free()  # the pairs given since the last call made room
-        if self._yielded in self._outcomes:
-            count = 1
-            while self._yielded + count in self._outcomes:
-                count += 1
-            self._handed.extend(self._take(count))
+        pairs = self._take()
+        if pairs:
+            self._handed.extend(pairs)
             return self._handed.popleft()
         if not self._reading and self._yielded == self._read:
             error, self._error = self._error, None
@@ -4227,15 +4222,21 @@ class _Batch:
         with self._lock:
             return self._read
 
-    def _take(self, count: int) -> List[Tuple[Any, Outcome]]:
-        """Hand out the next ``count`` pairs, which are there (the lock is held)."""
-        pairs = [self._outcomes.pop(self._yielded + i) for i in range(count)]
-        self._yielded += count
-        self._half_free()  # the window moved
+    def _take(self) -> List[Tuple[Any, Outcome]]:
+        """Hand out the pairs there in order, from the next one on (the lock is held)."""
+        outcomes, index, pairs = self._outcomes, self._yielded, []
+        pair = outcomes.pop(index, None)
+        while pair is not None:
+            pairs.append(pair)
+            index += 1
+            pair = outcomes.pop(index, None)
+        if pairs:
+            self._yielded = index
+            self._half_free()  # the window moved
         return pairs
 
     def _rest(self) -> List[Tuple[Any, Outcome]]:
-        pairs = [*self._handed, *self._take(len(self._outcomes))]
+        pairs = [*self._handed, *self._take()]
         self._handed.clear()
         return pairs
 
