@@ -5903,16 +5903,18 @@ class _Multicast:
     so its JSON is the last string of the body, and what comes before and after it is
     the same for every token. That is done at the first push made (the project may be
     known only then); a message ``prepare`` refuses is refused again for each token, as
-    a push of it would be.
+    a push of it would be. Whether the answer is per token (the legacy API's) is known
+    then too: ``prepare`` gives the stand-in as a target token, or none (v1).
     """
 
-    __slots__ = ("_api", "_message", "_path", "_head", "_tail")
+    __slots__ = ("_api", "_message", "_path", "_head", "_tail", "_per_token")
 
     def __init__(self, api: Union[_LegacyAPI, _V1API], message: Dict[str, Any]) -> None:
         self._api = api
         self._message = message
         self._path = ""
         self._head = self._tail = b""
+        self._per_token = False
 
     def prepare(self, token: str) -> Tuple[str, bytes, Tuple[str, ...]]:
         """Path, body and target tokens of the push to ``token`` (checked by the caller),
@@ -5921,13 +5923,15 @@ class _Multicast:
             self._encode()
         body = self._head + _JSON_ENCODE(token).encode("utf-8") + self._tail
         # The legacy API answers for a device's token, not for a /topics/ name; v1 for none.
-        return self._path, body, _legacy_tokens({self._api.target: token})
+        tokens = _legacy_tokens({self._api.target: token}) if self._per_token else ()
+        return self._path, body, tokens
 
     def _encode(self) -> None:
-        path, body, _ = self._api.prepare(
+        path, body, tokens = self._api.prepare(
             dict(self._message, **{self._api.target: _TOKEN_SLOT}), False)
         at = body.rindex(_TOKEN_SLOT_JSON)
         self._head, self._tail = body[:at], body[at + len(_TOKEN_SLOT_JSON):]
+        self._per_token = bool(tokens)
         self._path = path
 
 
