@@ -1971,9 +1971,7 @@ class _H2Connection(_H2Endpoint):
             self._reset(stream, NetworkError("the server ended the stream without a :status",
                                              may_have_been_delivered=True))
             return
-        del self.streams[stream.id]
-        self.finished.append(
-            (stream.key, Response(stream.status, "", stream.headers, bytes(stream.body))))
+        self._finish(stream.id, Response(stream.status, "", stream.headers, bytes(stream.body)))
 
     def _finish(self, stream_id: int, outcome: Union[Response, Exception]) -> None:
         stream = self.streams.pop(stream_id, None)
