@@ -66,70 +66,49 @@ from andpush import (
 logging.getLogger("andpush").addHandler(logging.NullHandler())
 
 # Test RSA keys ##############################################################################
-# One 2048-bit RSA key made once with
-#   openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048        (PKCS#8)
+# One 1024-bit RSA key made once with
+#   openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:1024        (PKCS#8)
 #   openssl rsa -in key.pem -traditional                                (PKCS#1)
+# (the smallest andpush takes: it signs in 1 ms where Google's 2048 bits take 6, and the
+# suite signs a hundred JWTs; the key format and signing tests check the fake's 2048-bit
+# account key, andpush._FAKE_ACCOUNT_KEY_PEM, as well)
 # plus a P-256 and an Ed25519 key (openssl genpkey) to check non-RSA keys are refused, and
 # another RSA key whose signatures the fake token endpoint must refuse.
 
 TEST_RSA_KEY_PKCS8_PEM = """\
 -----BEGIN PRIVATE KEY-----
-MIIEvgIBADANBgkqhkiG9w0BAQEFAASCBKgwggSkAgEAAoIBAQCsHEXE7aan+oFs
-g2p9KXwch3ffTRVmYjexRRmezdTeUvmFeit5OeL3oHzdtBUquFYFguPbVRnNuGyy
-+rG0N2Wv9ni1ScrosUlodxvcSD3I6wXhEM4nAK3sxy8pXhVQ2o7fWvrnqrgAFT0l
-2cKPO8ohgmT5f14SyEiutupvyX7+OrXq9lu25q8MGwit6QX1cN4WzOBDXARDjrbz
-quuZ6LZkBPxqgz4R+p4M3wn1H3G8AEo/Poa7+T4UjPrsnfl46ILQsR1pbI9u/fYP
-NOQ4bHXo7zXb5jfvFMOL/5ecT3gMcvBUX3Fc2T9kK4Ft3Erd/UjiAG6DzR2HTGFf
-6I0dUCFXAgMBAAECggEAJd7YuULDo32bAdoO0fiRXyOtzDxFY7Bj6cU3JHrNBpiC
-YAzoSPXkS7GMGCp6Z9qEzxSkd4wLr/kPLfi8pld0MBpPKDDTDY2JBgwDXN6mfbG9
-Ku9MNUfQfWO8rGEP1qkou9vkjppBf38s48m9JlA1I1dySXXtqLtaRttnzW4sW9sJ
-G/e+IHfkgt2HbrN1uQ5DEfhG97Y8c2SXeMTm0cgib9q7+s8sFO0y9XwYD+u38azj
-8m0Y17uv1NmHERsU5U4RhvKTHlldTVzWeKhoBshwxrS/QJPLuM0yQpSuIhZNstDu
-dcCCIMU+m3418ip1qXegAzND8Wdo050hvkAzyTbTmQKBgQDwEUxhWXgSDuQVALEd
-3kthIgpjUyr4e+A9yrzEmkXWjkn5uvUZ/eUau50OrHt8PnCUql144PUbMzcml1FF
-QL6f04czWCynh4BLcXiKPs/oy7gHS493onhvdel1y4tr+cUrwqcWs8RffLX3gmqs
-GlFF7yVLnnPgaUiFCoN9Fac1fwKBgQC3iGVIchPxU6IVO9E6OyGLeTkFyuGOaNaI
-wge24R7YV/EtI93wvIhWk+0kOsnc6fzbwLEHYP5o8JiW1g5QEhXLN9DyTAmQEdiL
-Y7tKuy0ylSasPKcX/GyOLSpv6bNIoi3I/sY619E41MKV8LoUgBC2hLJfv5wAdyRr
-2xS7XF9wKQKBgQDDKlz8+35ot+BmzrQvAwwnAESPsQpLDnIj6hECiCTko7KyKnKe
-WdGKpSGuzzxoql5eDg6FeeTp4v4gCn5Qna0bRB0y+aj73WXIb4w+X4goyo1mqOAO
-s2/TtXlBgWNsOZc41zt9clHgCwPoHwdXuOF/yEZ6rmun8g+50O1KoHLaQwKBgQCY
-LRvtyckHXFUUThjZs5XI06aYSvRi5EKd+mPzGw48TA7JYufvaCOTxevnEme2KL1k
-aI1glOfdk0CyMKKFeblgWtOBU9LKBkIKsZLmD/UV7921CkVx+fb4nDKHwLrLCs3z
-zmwG9lOgT6lYMdXYkadJ7xUHlxR+vksQswKpp5nqoQKBgFijuPY2KnWN1mQiU1ij
-2425bVeh7Gf0hoxbGotR3tG1jRwCc0fS1zIE58D92mAKPGdLqomSi2B3kHbeh/AB
-p+gGH5yZpT1d9JO6VR0AAdrzDZNuha9XRddzoaZUmyFOzWb0yBJhyJ3syAgMmtAa
-x0ME3GkblJcADtnPFoqgnMWC
+MIICdwIBADANBgkqhkiG9w0BAQEFAASCAmEwggJdAgEAAoGBAOHk8mo+tAk7uHsN
+dmHTaG3gtMDPOkviJQ6/9xeq0a+jjBHlTfnpnRdDmLwWTP0Qm2m4goT4RCng2Bx0
+/ivHJARWz4tD8oeN2Jr6qsMLwSpQVItA15sA2DHc38lUx06YhdYeP9bptTzOXRhF
+A44gDFwJYOziOubcThF2cMRTaU2XAgMBAAECgYEA02aDRtKvggSVvPL4WsyR6mJk
+RhypHeLhc1BLWabO3WRc7VJ/CuaJ0P+9rCfinOIxz1qRKwd8IwT8uoTyaN3Q4UyA
+TerTao70AMt+nPSet/fMtIR3CqH4PQsW5dICEUCTotZeXo+ZsldS3W2MVPlfAZYa
+NMeBL833SVGFv/aE1OECQQD00+2W5+TTlYTZmZ8A9q4I3KRPgiT895ysIWDijADc
+K13fE65CcIGdfvFAIsW29YVUkQboD2oX1XKSeBPOg0PzAkEA7DPWh42tSUk/kh4+
+yti5hr5TGDh/RvdxmOkURx99vhHC0cq3i96G3H9uyyLJ0pMg0LZGTlwTXnqgjoZu
+uBGMzQJBANR820iOG1xH+PWjDw2XC5VFapZXLiMgBSqgDaaSPGzadq6WNjgTzWsU
+Me6oP1F75ixvcr8WIc5twvK8pPQnmWECQHDD7s+YW/p49diUh/XfsfMaOiF+F4WR
+7LHL1Np/tlBfulreJPKpskjircpdOW1GwIvj+Xy/iJ+6e5yPoZxPBKECQHIx3wB9
+7T/fOHHpMyflRf7sflUHcWZbn+zF6i1JxNktPyiQRi6z06h2mOrz2q6rSquH/Yo8
+8DM4FLlgh/N5/GQ=
 -----END PRIVATE KEY-----
 """
 
 TEST_RSA_KEY_PKCS1_PEM = """\
 -----BEGIN RSA PRIVATE KEY-----
-MIIEpAIBAAKCAQEArBxFxO2mp/qBbINqfSl8HId3300VZmI3sUUZns3U3lL5hXor
-eTni96B83bQVKrhWBYLj21UZzbhssvqxtDdlr/Z4tUnK6LFJaHcb3Eg9yOsF4RDO
-JwCt7McvKV4VUNqO31r656q4ABU9JdnCjzvKIYJk+X9eEshIrrbqb8l+/jq16vZb
-tuavDBsIrekF9XDeFszgQ1wEQ46286rrmei2ZAT8aoM+EfqeDN8J9R9xvABKPz6G
-u/k+FIz67J35eOiC0LEdaWyPbv32DzTkOGx16O812+Y37xTDi/+XnE94DHLwVF9x
-XNk/ZCuBbdxK3f1I4gBug80dh0xhX+iNHVAhVwIDAQABAoIBACXe2LlCw6N9mwHa
-DtH4kV8jrcw8RWOwY+nFNyR6zQaYgmAM6Ej15EuxjBgqemfahM8UpHeMC6/5Dy34
-vKZXdDAaTygw0w2NiQYMA1zepn2xvSrvTDVH0H1jvKxhD9apKLvb5I6aQX9/LOPJ
-vSZQNSNXckl17ai7WkbbZ81uLFvbCRv3viB35ILdh26zdbkOQxH4Rve2PHNkl3jE
-5tHIIm/au/rPLBTtMvV8GA/rt/Gs4/JtGNe7r9TZhxEbFOVOEYbykx5ZXU1c1nio
-aAbIcMa0v0CTy7jNMkKUriIWTbLQ7nXAgiDFPpt+NfIqdal3oAMzQ/FnaNOdIb5A
-M8k205kCgYEA8BFMYVl4Eg7kFQCxHd5LYSIKY1Mq+HvgPcq8xJpF1o5J+br1Gf3l
-GrudDqx7fD5wlKpdeOD1GzM3JpdRRUC+n9OHM1gsp4eAS3F4ij7P6Mu4B0uPd6J4
-b3XpdcuLa/nFK8KnFrPEX3y194JqrBpRRe8lS55z4GlIhQqDfRWnNX8CgYEAt4hl
-SHIT8VOiFTvROjshi3k5BcrhjmjWiMIHtuEe2FfxLSPd8LyIVpPtJDrJ3On828Cx
-B2D+aPCYltYOUBIVyzfQ8kwJkBHYi2O7SrstMpUmrDynF/xsji0qb+mzSKItyP7G
-OtfRONTClfC6FIAQtoSyX7+cAHcka9sUu1xfcCkCgYEAwypc/Pt+aLfgZs60LwMM
-JwBEj7EKSw5yI+oRAogk5KOysipynlnRiqUhrs88aKpeXg4OhXnk6eL+IAp+UJ2t
-G0QdMvmo+91lyG+MPl+IKMqNZqjgDrNv07V5QYFjbDmXONc7fXJR4AsD6B8HV7jh
-f8hGeq5rp/IPudDtSqBy2kMCgYEAmC0b7cnJB1xVFE4Y2bOVyNOmmEr0YuRCnfpj
-8xsOPEwOyWLn72gjk8Xr5xJntii9ZGiNYJTn3ZNAsjCihXm5YFrTgVPSygZCCrGS
-5g/1Fe/dtQpFcfn2+Jwyh8C6ywrN885sBvZToE+pWDHV2JGnSe8VB5cUfr5LELMC
-qaeZ6qECgYBYo7j2Nip1jdZkIlNYo9uNuW1Xoexn9IaMWxqLUd7RtY0cAnNH0tcy
-BOfA/dpgCjxnS6qJkotgd5B23ofwAafoBh+cmaU9XfSTulUdAAHa8w2TboWvV0XX
-c6GmVJshTs1m9MgSYcid7MgIDJrQGsdDBNxpG5SXAA7ZzxaKoJzFgg==
+MIICXQIBAAKBgQDh5PJqPrQJO7h7DXZh02ht4LTAzzpL4iUOv/cXqtGvo4wR5U35
+6Z0XQ5i8Fkz9EJtpuIKE+EQp4NgcdP4rxyQEVs+LQ/KHjdia+qrDC8EqUFSLQNeb
+ANgx3N/JVMdOmIXWHj/W6bU8zl0YRQOOIAxcCWDs4jrm3E4RdnDEU2lNlwIDAQAB
+AoGBANNmg0bSr4IElbzy+FrMkepiZEYcqR3i4XNQS1mmzt1kXO1SfwrmidD/vawn
+4pziMc9akSsHfCME/LqE8mjd0OFMgE3q02qO9ADLfpz0nrf3zLSEdwqh+D0LFuXS
+AhFAk6LWXl6PmbJXUt1tjFT5XwGWGjTHgS/N90lRhb/2hNThAkEA9NPtlufk05WE
+2ZmfAPauCNykT4Ik/PecrCFg4owA3Ctd3xOuQnCBnX7xQCLFtvWFVJEG6A9qF9Vy
+kngTzoND8wJBAOwz1oeNrUlJP5IePsrYuYa+Uxg4f0b3cZjpFEcffb4RwtHKt4ve
+htx/bssiydKTINC2Rk5cE156oI6GbrgRjM0CQQDUfNtIjhtcR/j1ow8NlwuVRWqW
+Vy4jIAUqoA2mkjxs2nauljY4E81rFDHuqD9Re+Ysb3K/FiHObcLyvKT0J5lhAkBw
+w+7PmFv6ePXYlIf137HzGjohfheFkeyxy9Taf7ZQX7pa3iTyqbJI4q3KXTltRsCL
+4/l8v4ifunucj6GcTwShAkByMd8Afe0/3zhx6TMn5UX+7H5VB3FmW5/sxeotScTZ
+LT8okEYus9Oodpjq89quq0qrh/2KPPAzOBS5YIfzefxk
 -----END RSA PRIVATE KEY-----
 """
 
@@ -2149,11 +2128,13 @@ def run_openssl(*args: str) -> bytes:
 
 class PrivateKeyParsingTest(unittest.TestCase):
     def test_pkcs8_key(self) -> None:
-        key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
-        self.assertEqual(key.n.bit_length(), 2048)
-        self.assertEqual(key.size, 256)
-        self.assertEqual(key.e, 65537)
-        self.assertEqual(key.p * key.q, key.n)
+        for pem, bits in ((TEST_RSA_KEY_PKCS8_PEM, 1024), (andpush._FAKE_ACCOUNT_KEY_PEM, 2048)):
+            with self.subTest(bits=bits):
+                key = _parse_private_key(pem)
+                self.assertEqual(key.n.bit_length(), bits)
+                self.assertEqual(key.size, bits // 8)
+                self.assertEqual(key.e, 65537)
+                self.assertEqual(key.p * key.q, key.n)
 
     def test_pkcs1_and_pkcs8_forms_give_the_same_numbers(self) -> None:
         pkcs8 = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
@@ -2231,8 +2212,8 @@ class PrivateKeyParsingTest(unittest.TestCase):
 
     def test_repr_hides_key_material(self) -> None:
         key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
-        self.assertEqual(repr(key), "<RSA private key, 2048 bits>")
-        self.assertEqual(str(key), "<RSA private key, 2048 bits>")
+        self.assertEqual(repr(key), "<RSA private key, 1024 bits>")
+        self.assertEqual(str(key), "<RSA private key, 1024 bits>")
         self.assertFalse(hasattr(key, "__dict__"))
         for number in key_fields(key):
             if number > 65537:
@@ -2426,10 +2407,15 @@ class DERReaderTest(unittest.TestCase):
 
 
 class RS256SigningTest(unittest.TestCase):
+    """Signatures with the suite's 1024-bit key and the fake's 2048-bit one, the size Google
+    issues."""
+
     MESSAGES = (b"", b"abc", b"eyJhbGciOiJSUzI1NiJ9.e30", bytes(range(256)) * 100)
+    PEMS = (TEST_RSA_KEY_PKCS8_PEM, andpush._FAKE_ACCOUNT_KEY_PEM)
 
     def setUp(self) -> None:
         self.key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
+        self.keys = [_parse_private_key(pem) for pem in self.PEMS]
 
     def test_b64url(self) -> None:
         self.assertEqual(_b64url(b""), "")
@@ -2438,22 +2424,23 @@ class RS256SigningTest(unittest.TestCase):
         self.assertEqual(_b64url(b"a"), "YQ")
 
     def test_signature_verifies_with_the_public_key(self) -> None:
-        for message in self.MESSAGES:
-            with self.subTest(length=len(message)):
-                signature = _rs256_sign(self.key, message)
-                self.assertEqual(len(signature), 256)
-                recovered = pow(int.from_bytes(signature, "big"), self.key.e, self.key.n)
-                self.assertEqual(recovered, expected_pkcs1_v15_sha256(message, 256))
+        for key in self.keys:
+            for message in self.MESSAGES:
+                with self.subTest(bits=key.size * 8, length=len(message)):
+                    signature = _rs256_sign(key, message)
+                    self.assertEqual(len(signature), key.size)
+                    recovered = pow(int.from_bytes(signature, "big"), key.e, key.n)
+                    self.assertEqual(recovered, expected_pkcs1_v15_sha256(message, key.size))
 
     def test_pkcs1_key_signs_identically(self) -> None:
         pkcs1 = _parse_private_key(TEST_RSA_KEY_PKCS1_PEM)
         self.assertEqual(_rs256_sign(pkcs1, b"abc"), _rs256_sign(self.key, b"abc"))
 
     def test_signature_does_not_verify_for_another_message(self) -> None:
-        signature = int.from_bytes(_rs256_sign(self.key, b"abc"), "big")
-        self.assertNotEqual(
-            pow(signature, self.key.e, self.key.n), expected_pkcs1_v15_sha256(b"abd", 256)
-        )
+        for key in self.keys:
+            signature = int.from_bytes(_rs256_sign(key, b"abc"), "big")
+            self.assertNotEqual(
+                pow(signature, key.e, key.n), expected_pkcs1_v15_sha256(b"abd", key.size))
 
     @unittest.skipUnless(
         OPENSSL, "openssl not found on PATH; skipping cross-check with `openssl dgst`"
@@ -2462,14 +2449,16 @@ class RS256SigningTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             key_path = os.path.join(tmp, "key.pem")
             message_path = os.path.join(tmp, "message.bin")
-            with open(key_path, "w") as f:
-                f.write(TEST_RSA_KEY_PKCS8_PEM)
-            for message in self.MESSAGES:
-                with self.subTest(length=len(message)):
-                    with open(message_path, "wb") as f:
-                        f.write(message)
-                    expected = run_openssl("dgst", "-sha256", "-sign", key_path, message_path)
-                    self.assertEqual(_rs256_sign(self.key, message), expected)
+            for pem, key in zip(self.PEMS, self.keys):
+                with open(key_path, "w") as f:
+                    f.write(pem)
+                for message in self.MESSAGES:
+                    with self.subTest(bits=key.size * 8, length=len(message)):
+                        with open(message_path, "wb") as f:
+                            f.write(message)
+                        expected = run_openssl("dgst", "-sha256", "-sign", key_path,
+                                               message_path)
+                        self.assertEqual(_rs256_sign(key, message), expected)
 
     def test_jwt(self) -> None:
         header = {"alg": "RS256", "typ": "JWT", "kid": "0123456789abcdef"}
@@ -2481,7 +2470,8 @@ class RS256SigningTest(unittest.TestCase):
             "exp": 1700003600,
             "note": "caf\u00e9 \u2603",
         }
-        token = _jwt(header, claims, self.key)
+        key = self.keys[1]  # Google's size
+        token = _jwt(header, claims, key)
         self.assertRegex(token, r"^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+$")
         encoded_header, encoded_claims, encoded_signature = token.split(".")
         decoded_header = json.loads(b64url_decode(encoded_header))
@@ -2494,7 +2484,7 @@ class RS256SigningTest(unittest.TestCase):
         signature = b64url_decode(encoded_signature)
         self.assertEqual(len(signature), 256)
         signing_input = f"{encoded_header}.{encoded_claims}".encode("ascii")
-        recovered = pow(int.from_bytes(signature, "big"), self.key.e, self.key.n)
+        recovered = pow(int.from_bytes(signature, "big"), key.e, key.n)
         self.assertEqual(recovered, expected_pkcs1_v15_sha256(signing_input, 256))
 
 
