@@ -7367,6 +7367,7 @@ class EngineTest(HTTP2TestCase):
         self.server.reply_delay = 0.0  # the next answer at once, the interrupted one's still late
         self.assertEqual(client.push(V1_MESSAGE).status_code, 200)
         self.assertEqual(self.server.processed, 3)  # the interrupted one too, once
+        self.assertTrue(settles(client))  # its late answer taken too, before the errors are read
         self.assertEqual(errors, [])  # nothing failed: the loop went on on another thread
 
     def test_no_thread_waits_beside_idle_connections_and_one_idle_too_long_is_replaced(
