@@ -1507,7 +1507,7 @@ class KeepAliveTest(ServerTestCase):
         # TLS 1.3 session tickets make an idle socket readable; that is not a dead connection.
         client = self.client()
         client.push(LEGACY_MESSAGE)
-        time.sleep(0.05)  # the tickets came with the handshake: long since in the socket
+        time.sleep(0.02)  # the tickets came with the handshake: long since in the socket
         client.push(LEGACY_MESSAGE)
         self.assertEqual(self.server.handshakes, 1)
 
@@ -1578,7 +1578,7 @@ class ServerClosesConnectionTest(ServerTestCase):
     """Connections the server closed are replaced; a request is never lost or duplicated."""
 
     def test_idle_close_with_close_notify_is_detected_before_reuse(self) -> None:
-        self.server.idle_timeout = 0.05
+        self.server.idle_timeout = 0.02
         client = self.client()
         client.push(LEGACY_MESSAGE)
         self.assertTrue(wait_until(lambda: self.server.open_connections == 0))
@@ -5683,7 +5683,7 @@ class FakeScriptingTest(ShippedFakeTestCase):
         self.assertGreaterEqual(time.monotonic() - started, 0.02)
         self.fcm.answer(delay=math.inf)
         with self.assertRaises(andpush.NetworkError) as never:
-            client.push({"token": "never"})
+            client.push({"token": "never"}, timeout=0.05)  # it must run out: not the 0.15
         self.fcm.answer(drop=True)
         with self.assertRaises(andpush.NetworkError) as dropped:
             client.push({"token": "dropped"})
@@ -7216,11 +7216,11 @@ class TimeoutErrorTest(HTTP2TestCase):
 
     def test_the_read_timeout_over_http2(self) -> None:
         self.server.reply_delay = 0.3
-        client = self.h2_client(timeout=(1.0, 0.05))
+        client = self.h2_client(timeout=(1.0, 0.01))
         with self.assertRaises(andpush.NetworkError) as caught:
             client.push(V1_MESSAGE)
         self.assertEqual(str(caught.exception), (
-            "no answer from %s/v1/projects/%s/messages:send within the read timeout of 0.05 s "
+            "no answer from %s/v1/projects/%s/messages:send within the read timeout of 0.01 s "
             "(the request may have been processed); if the server is slow, %s"
             % (self.server.endpoint, TEST_PROJECT, self.HINT)))
         self.assertTrue(caught.exception.may_have_been_delivered)
@@ -7230,11 +7230,11 @@ class TimeoutErrorTest(HTTP2TestCase):
     def test_the_read_timeout_over_http1_hides_the_device_token_of_a_topic_change(
             self) -> None:
         self.server.reply_delay = 0.3
-        client = self.h2_client(timeout=(1.0, 0.05), http2=False)
+        client = self.h2_client(timeout=(1.0, 0.01), http2=False)
         with self.assertRaises(andpush.NetworkError) as caught:
             client.push(V1_MESSAGE)
         self.assertIn("no answer from %s/v1/projects/%s/messages:send within the read timeout "
-                      "of 0.05 s" % (self.server.endpoint, TEST_PROJECT), str(caught.exception))
+                      "of 0.01 s" % (self.server.endpoint, TEST_PROJECT), str(caught.exception))
         self.assertIn(self.HINT, str(caught.exception))
         (outcome,) = client.subscribe([TOKEN], "news")
         self.assertIn("/v1/projects/%s/registrations/... within the read timeout"
@@ -7243,13 +7243,13 @@ class TimeoutErrorTest(HTTP2TestCase):
 
     def test_the_connect_timeout_of_a_server_that_never_shakes_hands(self) -> None:
         with mute_server() as endpoint:
-            client = andpush.new(SERVER_KEY, endpoint=endpoint, timeout=(0.05, 1.0),
+            client = andpush.new(SERVER_KEY, endpoint=endpoint, timeout=(0.01, 1.0),
                                  max_retries=0, ssl_context=client_context())
             self.addCleanup(client.close)
             with self.assertRaises(andpush.NetworkError) as caught:
                 client.push(LEGACY_MESSAGE)
         self.assertIn(  # (the try's own deadline may come first: "not sent: ...")
-            "could not connect to %s within the connect timeout of 0.05 s; if the network is "
+            "could not connect to %s within the connect timeout of 0.01 s; if the network is "
             "slow, %s" % (endpoint, self.HINT), str(caught.exception))
         self.assertFalse(caught.exception.may_have_been_delivered)
 
@@ -7354,8 +7354,10 @@ class EngineTest(HTTP2TestCase):
         signal.setitimer(signal.ITIMER_REAL, 0.03)
         with self.assertRaises(KeyboardInterrupt):
             client.push(V1_MESSAGE)  # the caller runs the loop, and is waiting in select
+        self.server.reply_delay = 0.0  # the next answer at once, the interrupted one's still late
         self.assertEqual(client.push(V1_MESSAGE).status_code, 200)
         self.assertEqual(self.server.processed, 3)  # the interrupted one too, once
+        self.assertTrue(settles(client))  # its late answer taken too, before the errors are read
         self.assertEqual(errors, [])  # nothing failed: the loop went on on another thread
 
     def test_no_thread_waits_beside_idle_connections_and_one_idle_too_long_is_replaced(
@@ -7365,7 +7367,7 @@ class EngineTest(HTTP2TestCase):
         self.assertIsNone(client._driver._thread)  # the caller ran the loop, and left it
         self.assertNotIn("andpush-io", [t.name for t in threading.enumerate()])
         client.push(V1_MESSAGE)  # within keep_alive_timeout: the same connection
-        time.sleep(0.06)
+        time.sleep(0.03)  # idle longer than that, whatever the load: a sleep is never shorter
         client.push(V1_MESSAGE)  # a new connection, without a failed send
         self.assertEqual((self.server.handshakes, self.server.processed), (2, 3))
 
@@ -7443,7 +7445,7 @@ class EngineTest(HTTP2TestCase):
         self.assertEqual([type(o) for o in outcomes[2:]], [andpush.Response] * 3)
 
     def test_timeout_takes_a_connect_read_pair(self) -> None:
-        client = self.h2_client(timeout=(0.5, 0.05))
+        client = self.h2_client(timeout=(0.5, 0.01))
         self.server.reply_delay = 0.3
         with self.assertRaises(andpush.NetworkError):
             client.push(V1_MESSAGE)
@@ -7617,7 +7619,7 @@ class HTTP2Test(HTTP2TestCase):
     def test_every_stream_has_a_deadline(self) -> None:
         self.server.slow_seconds = 2.0
         self.server.by_token["t2"] = [SLOW]
-        outcomes = self.push_many(6, timeout=0.1)
+        outcomes = self.push_many(6, timeout=(2.0, 0.05))  # the connect not within the 0.05
         self.assertIsInstance(outcomes[2], andpush.NetworkError)
         self.assertTrue(outcomes[2].may_have_been_delivered)
         self.assertEqual(sum(isinstance(o, andpush.Response) for o in outcomes), 5)
@@ -7858,6 +7860,7 @@ class _RawH2Client:
 
     def __init__(self, server: FakeFCM2, settings: Optional[Dict[int, int]] = None) -> None:
         raw = socket.create_connection(("127.0.0.1", server.port), timeout=_H2_DEADLINE)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms delayed-ACK stall
         self.sock = h2_client_context().wrap_socket(raw, server_hostname="127.0.0.1")
         self.inbuf = b""
         self.sock.sendall(H2_CLIENT_PREFACE + h2_settings(*(settings or {}).items()))
@@ -8432,18 +8435,18 @@ class AsyncRunTest(unittest.TestCase):
 class AsyncTimeoutErrorTest(AsyncTestCase):
     async def test_the_asyncio_client_says_the_same(self) -> None:
         self.server.reply_delay = 0.3
-        client = self.h2_client(timeout=(1.0, 0.05))
+        client = self.h2_client(timeout=(1.0, 0.01))
         with self.assertRaisesRegex(andpush.NetworkError, "no answer from %s/v1/projects/.*"
-                                    "read timeout of 0.05 s" % re.escape(self.server.endpoint)):
+                                    "read timeout of 0.01 s" % re.escape(self.server.endpoint)):
             await client.push(V1_MESSAGE)
 
     async def test_and_of_the_connect_timeout(self) -> None:
         with mute_server() as endpoint:
-            client = andpush.new_async(SERVER_KEY, endpoint=endpoint, timeout=(0.05, 1.0),
+            client = andpush.new_async(SERVER_KEY, endpoint=endpoint, timeout=(0.01, 1.0),
                                        max_retries=0, ssl_context=client_context())
             self.addAsyncCleanup(client.aclose)
             with self.assertRaisesRegex(andpush.NetworkError, "could not connect to %s within "
-                                        "the connect timeout of 0.05 s" % re.escape(endpoint)):
+                                        "the connect timeout of 0.01 s" % re.escape(endpoint)):
                 await client.push(LEGACY_MESSAGE)
 
 
