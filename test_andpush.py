@@ -1998,6 +1998,8 @@ class ConnectProxy:
                 return
             host, port = lines[0].split()[1].rsplit(":", 1)
             with socket.create_connection((host, int(port))) as upstream:
+                for sock in (conn, upstream):  # relayed at once, as the client and server write
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self._sockets.append(upstream)
                 conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
                 self._spawn(self._pipe, upstream, conn)
