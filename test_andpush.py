@@ -3785,8 +3785,8 @@ class ParserFuzzTest(unittest.TestCase):
 
     def check_each(self, inputs: Iterable[Any], check: Callable[[Any], None]) -> None:
         """``check`` each input; a failure names the input that caused it (its first 300
-        bytes or characters). Cheaper than a subTest per input, which is most of the time
-        of 20,000 quick checks; the first failure is enough, the seeds being fixed."""
+        bytes or characters). Cheaper than a subTest per input, which builds a TestCase and
+        was a fifth of the fuzz's time; the first failure is enough, the seeds being fixed."""
         for data in inputs:
             try:
                 check(data)
