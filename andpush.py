@@ -2851,6 +2851,8 @@ class _Engine:
                 room -= 1
                 started = True
             if started:
+                if isinstance(link, _H2Link) and not link.pinged:
+                    self._soon(link.last_read + _H2_PING_QUIET)  # a PING if it goes quiet
                 if len(link.pending()) >= _EARLY_WRITE:
                     self._send(link)  # (if the connection breaks, _link_for skips it)
                 else:
@@ -3003,15 +3005,14 @@ class _Engine:
                now: float) -> None:
         """Queue the request on ``link`` (the caller has it written). Its answer is due
         within the read timeout (or the call's own), and before its try ends."""
-        exchange.deadline = min(now + (exchange.timeout or self._read_timeout), exchange.ends_by)
+        exchange.deadline = deadline = min(now + (exchange.timeout or self._read_timeout),
+                                           exchange.ends_by)
         exchange.fresh = False
         link.carried = True
-        self._soon(exchange.deadline)
+        self._soon(deadline)
         if isinstance(link, _H2Link):
-            if not link.pinged:
-                self._soon(link.last_read + _H2_PING_QUIET)
             link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
-                            exchange.deadline)
+                            deadline)
         else:
             assert isinstance(link, _H1Link)
             idle = link.route.idle
