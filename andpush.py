@@ -5928,24 +5928,28 @@ class _Multicast:
     then too: ``prepare`` gives the stand-in as a target token, or none (v1).
     """
 
-    __slots__ = ("_api", "_message", "_path", "_head", "_tail", "_per_token")
+    __slots__ = ("_api", "_message", "_exchange_of", "_path", "_head", "_tail", "_per_token")
 
-    def __init__(self, api: Union[_LegacyAPI, _V1API], message: Dict[str, Any]) -> None:
+    def __init__(self, api: Union[_LegacyAPI, _V1API], message: Dict[str, Any],
+                 exchange_of: Callable[[str, bytes, Tuple[str, ...]], _Exchange]) -> None:
         self._api = api
         self._message = message
+        self._exchange_of = exchange_of
         self._path = ""
         self._head = self._tail = b""
         self._per_token = False
 
-    def prepare(self, token: str) -> Tuple[str, bytes, Tuple[str, ...]]:
-        """Path, body and target tokens of the push to ``token`` (checked by the caller),
-        as ``prepare`` gives them for the message with that token."""
+    def exchange(self, token: object) -> _Exchange:
+        """The exchange of the push to ``token`` (TypeError/ValueError for a bad one), as
+        ``exchange_of`` makes it from the path, body and target tokens that ``prepare``
+        gives for the message with that token."""
+        token = _check_device_token(token)
         if not self._path:
             self._encode()
         body = self._head + _JSON_ENCODE(token).encode("utf-8") + self._tail
         # The legacy API answers for a device's token, not for a /topics/ name; v1 for none.
         tokens = _legacy_tokens({self._api.target: token}) if self._per_token else ()
-        return self._path, body, tokens
+        return self._exchange_of(self._path, body, tokens)
 
     def _encode(self) -> None:
         path, body, tokens = self._api.prepare(
@@ -6009,10 +6013,7 @@ class _Requests:
             raise TypeError("tokens must be an iterable of str, not one %s"
                             % type(tokens).__name__)
         _check_number("concurrency", concurrency, minimum=1, integer=True)
-        each = _Multicast(self.api, message)
-
-        exchange_of = self._exchange_of
-        return lambda token: exchange_of(*each.prepare(_check_device_token(token)))
+        return _Multicast(self.api, message, self._exchange_of).exchange
 
     def topic_changes(self, method: str, tokens: Iterable[str],
                       topic: str) -> Tuple[List[str], Callable[[str], _Exchange]]:

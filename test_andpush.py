@@ -7497,10 +7497,10 @@ class MulticastTest(HTTP2TestCase):
                        andpush.new(SERVER_KEY, ssl_context=context)):
             api = client._requests.api
             with self.subTest(api=api.name):
-                each = andpush._Multicast(api, message)
+                each = andpush._Multicast(api, message, lambda *made: made)
                 for token in tokens:
                     alone = api.prepare(dict(message, **{api.target: token}), False)
-                    self.assertEqual(each.prepare(token), alone)
+                    self.assertEqual(each.exchange(token), alone)
             client.close()
 
     def test_a_bad_message_is_each_tokens_error_as_push_would_give(self) -> None:
