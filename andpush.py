@@ -1673,7 +1673,7 @@ class _H2Connection(_H2Endpoint):
         self._last_block: Tuple[Any, ...] = (None, "", "", b"", b"")
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
         self._answers: Dict[Tuple[Tuple[str, str], ...], Tuple[int, Headers]] = {}
-        self._last_answer: Tuple[Any, Tuple[int, Headers]] = ((), (-1, _NO_HEADERS))
+        self._last_answer: Tuple[Any, Tuple[int, Headers]] = (None, (-1, _NO_HEADERS))
         self.streams: Dict[int, _H2Stream] = {}   # in the order started
         self._blocked: List[_H2Stream] = []       # those whose DATA waits for a window
         self.finished: List[Tuple[object, Union[Response, Exception]]] = []
