@@ -1669,8 +1669,11 @@ class _H2Connection(_H2Endpoint):
         self._written = 0                  # bytes of output written, ever
         self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
         self._blocks: Dict[Tuple[Any, ...], Tuple[bytes, bytes]] = {}
+        # The headers, path and method of the last request started, and their block's parts.
+        self._last_block: Tuple[Any, ...] = (None, "", "", b"", b"")
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
         self._answers: Dict[Tuple[Tuple[str, str], ...], Tuple[int, Headers]] = {}
+        self._last_answer: Tuple[Any, Tuple[int, Headers]] = (None, (-1, _NO_HEADERS))
         self.streams: Dict[int, _H2Stream] = {}   # in the order started
         self._blocked: List[_H2Stream] = []       # those whose DATA waits for a window
         self.finished: List[Tuple[object, Union[Response, Exception]]] = []
@@ -1698,25 +1701,35 @@ class _H2Connection(_H2Endpoint):
 
     def start(self, method: str, path: str, headers: Dict[str, str], body: bytes,
               key: object, deadline: float) -> int:
-        """Queue a request as a new stream and return its id; ``key`` names its outcome."""
-        if not self.free_streams:
+        """Queue a request as a new stream and return its id; ``key`` names its outcome.
+
+        ``headers`` are never changed once made, so the dict of the request before, given
+        again, is known to hold the same: a burst of requests encodes them once."""
+        stream_id = self._next_id
+        if self.state != "OPEN" or len(self.streams) >= self.max_streams \
+                or stream_id >= _H2_LAST_STREAM - 1:  # what free_streams says, checked cheaply
             raise RuntimeError("no stream may start on this connection (%s)" % self.state)
-        head, tail = self._header_parts(method, path, headers)
+        last = self._last_block
+        if last[0] is headers and last[1] == path and last[2] == method:
+            head, tail = last[3], last[4]
+        else:
+            head, tail = self._header_parts(method, path, headers)
+            self._last_block = (headers, path, method, head, tail)
         length = len(body)
         content_length = _CONTENT_LENGTH_FIELDS.get(length) or _content_length_field(length)
-        stream_id = self._next_id
         self._next_id = stream_id + 2
-        stream = _H2Stream(stream_id, key, deadline, self._peer_initial_window,
-                           self._written + len(self.outgoing))
+        out = self.outgoing
+        first_byte = self._written + len(out)
+        stream = _H2Stream(stream_id, key, deadline, self._peer_initial_window, first_byte)
         self.streams[stream_id] = stream
         if deadline < self._earliest:
             self._earliest = deadline
         block_size = len(head) + len(content_length) + len(tail)
-        if block_size <= self._peer_frame and length <= min(
-                self._peer_frame, self._peer_window, stream.send_window):
+        if block_size <= self._peer_frame and length <= self._peer_frame \
+                and length <= self._peer_window and length <= stream.send_window:
             # The usual request: one HEADERS frame and at most one DATA frame, joined once.
             if body:
-                self.outgoing += b"".join((
+                frames = b"".join((
                     _FRAME_HEAD.pack(block_size << 8 | _HEADERS, _END_HEADERS, stream_id),
                     head, content_length, tail,
                     _FRAME_HEAD.pack(length << 8 | _DATA, _END_STREAM, stream_id), body))
@@ -1724,13 +1737,14 @@ class _H2Connection(_H2Endpoint):
                 stream.send_window -= length
                 stream.data_queued = length
             else:
-                self.outgoing += b"".join((_FRAME_HEAD.pack(
+                frames = b"".join((_FRAME_HEAD.pack(
                     block_size << 8 | _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
                     head, content_length, tail))
-            stream.end_byte = self._written + len(self.outgoing)
+            out += frames
+            stream.end_byte = first_byte + len(frames)
         else:
             self._queue_headers(stream_id, head + content_length + tail, end_stream=not body)
-            stream.end_byte = self._written + len(self.outgoing)
+            stream.end_byte = self._written + len(out)
             stream.pending = body
             self._send_data(stream)
         return stream_id
@@ -1893,8 +1907,8 @@ class _H2Connection(_H2Endpoint):
         if stream is None:
             return
         if not stream.status:
-            answer = self._answers.get(fields) or self._answer(fields)
-            status, headers = answer
+            last = self._last_answer  # the decoder gives a block it remembers as the same tuple
+            status, headers = last[1] if last[0] is fields else self._answer(fields)
             if status < 0:
                 self._reset(stream, NetworkError("the server answered without a valid :status",
                                                  may_have_been_delivered=True))
@@ -1909,22 +1923,30 @@ class _H2Connection(_H2Endpoint):
         """The status (-1 if none is valid) and Headers a block's fields stand for.
 
         Servers repeat themselves, so these are remembered, and answers alike share one
-        Headers: it cannot be changed.
+        Headers: it cannot be changed. The last one is kept apart too, for _on_headers to
+        find by identity, as hashing the fields costs more than the rest of a lookup.
         """
+        answer = self._answers.get(fields)
+        if answer is None:
+            answer = self._interpret(fields)
+            if len(self._answers) >= _H2_ANSWER_CACHE:
+                self._answers.clear()
+            self._answers[fields] = answer
+        self._last_answer = (fields, answer)
+        return answer
+
+    @staticmethod
+    def _interpret(fields: Tuple[Tuple[str, str], ...]) -> Tuple[int, Headers]:
+        """The status (-1 if none is valid) and Headers of a block's fields."""
         status = dict(fields).get(":status", "")
         items: Dict[str, str] = {}
         if not (len(status) == 3 and _is_digits(status)):
-            answer = (-1, _NO_HEADERS)
-        else:
-            for name, value in fields:
-                if not name.startswith(":"):  # a name may be empty
-                    old = items.get(name)
-                    items[name] = value if old is None else old + ", " + value
-            answer = (int(status), Headers(items))
-        if len(self._answers) >= _H2_ANSWER_CACHE:
-            self._answers.clear()
-        self._answers[fields] = answer
-        return answer
+            return -1, _NO_HEADERS
+        for name, value in fields:
+            if not name.startswith(":"):  # a name may be empty
+                old = items.get(name)
+                items[name] = value if old is None else old + ", " + value
+        return int(status), Headers(items)
 
     def _on_reset(self, stream_id: int, payload: bytes) -> None:
         """The server reset a stream still open (receive passes over those ended)."""
@@ -2829,6 +2851,8 @@ class _Engine:
                 room -= 1
                 started = True
             if started:
+                if isinstance(link, _H2Link) and not link.pinged:
+                    self._soon(link.last_read + _H2_PING_QUIET)  # a PING if it goes quiet
                 if len(link.pending()) >= _EARLY_WRITE:
                     self._send(link)  # (if the connection breaks, _link_for skips it)
                 else:
@@ -2981,15 +3005,14 @@ class _Engine:
                now: float) -> None:
         """Queue the request on ``link`` (the caller has it written). Its answer is due
         within the read timeout (or the call's own), and before its try ends."""
-        exchange.deadline = min(now + (exchange.timeout or self._read_timeout), exchange.ends_by)
+        exchange.deadline = deadline = min(now + (exchange.timeout or self._read_timeout),
+                                           exchange.ends_by)
         exchange.fresh = False
         link.carried = True
-        self._soon(exchange.deadline)
+        self._soon(deadline)
         if isinstance(link, _H2Link):
-            if not link.pinged:
-                self._soon(link.last_read + _H2_PING_QUIET)
             link.conn.start(exchange.method, exchange.path, headers, exchange.body, exchange,
-                            exchange.deadline)
+                            deadline)
         else:
             assert isinstance(link, _H1Link)
             idle = link.route.idle
@@ -5905,24 +5928,28 @@ class _Multicast:
     then too: ``prepare`` gives the stand-in as a target token, or none (v1).
     """
 
-    __slots__ = ("_api", "_message", "_path", "_head", "_tail", "_per_token")
+    __slots__ = ("_api", "_message", "_exchange_of", "_path", "_head", "_tail", "_per_token")
 
-    def __init__(self, api: Union[_LegacyAPI, _V1API], message: Dict[str, Any]) -> None:
+    def __init__(self, api: Union[_LegacyAPI, _V1API], message: Dict[str, Any],
+                 exchange_of: Callable[[str, bytes, Tuple[str, ...]], _Exchange]) -> None:
         self._api = api
         self._message = message
+        self._exchange_of = exchange_of
         self._path = ""
         self._head = self._tail = b""
         self._per_token = False
 
-    def prepare(self, token: str) -> Tuple[str, bytes, Tuple[str, ...]]:
-        """Path, body and target tokens of the push to ``token`` (checked by the caller),
-        as ``prepare`` gives them for the message with that token."""
+    def exchange(self, token: object) -> _Exchange:
+        """The exchange of the push to ``token`` (TypeError/ValueError for a bad one), as
+        ``exchange_of`` makes it from the path, body and target tokens that ``prepare``
+        gives for the message with that token."""
+        token = _check_device_token(token)
         if not self._path:
             self._encode()
         body = self._head + _JSON_ENCODE(token).encode("utf-8") + self._tail
         # The legacy API answers for a device's token, not for a /topics/ name; v1 for none.
         tokens = _legacy_tokens({self._api.target: token}) if self._per_token else ()
-        return self._path, body, tokens
+        return self._exchange_of(self._path, body, tokens)
 
     def _encode(self) -> None:
         path, body, tokens = self._api.prepare(
@@ -5986,10 +6013,7 @@ class _Requests:
             raise TypeError("tokens must be an iterable of str, not one %s"
                             % type(tokens).__name__)
         _check_number("concurrency", concurrency, minimum=1, integer=True)
-        each = _Multicast(self.api, message)
-
-        exchange_of = self._exchange_of
-        return lambda token: exchange_of(*each.prepare(_check_device_token(token)))
+        return _Multicast(self.api, message, self._exchange_of).exchange
 
     def topic_changes(self, method: str, tokens: Iterable[str],
                       topic: str) -> Tuple[List[str], Callable[[str], _Exchange]]:

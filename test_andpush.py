@@ -3319,18 +3319,34 @@ class H2ConnectionTest(H2TestCase):
         self.assertEqual(headers[:3], (H2_HEADERS, H2_END_HEADERS | H2_END_STREAM, 3))
 
     def test_each_request_carries_its_own_length_and_headers(self) -> None:
+        # A signer gives the same headers dict while its token lasts: given again, it is not
+        # encoded again, but another dict, path or method is.
         conn = self.open()
         decoder = _HPACKDecoder(0)
-        for stream_id, (token, body) in zip(range(1, 100, 2), [
-                ("a", b"{}"), ("a", b"[1, 2]"), ("b", b"{}"), ("a", b"{}"), ("b", b"")]):
-            conn.start("POST", "/p", {"Authorization": "Bearer " + token}, body, token, 1e9)
+        signed = {token: {"Authorization": "Bearer " + token} for token in "ab"}
+        for stream_id, (method, path, token, body) in zip(range(1, 100, 2), [
+                ("POST", "/p", "a", b"{}"), ("POST", "/p", "a", b"[1, 2]"),
+                ("POST", "/p", "b", b"{}"), ("POST", "/q", "b", b"{}"), ("PUT", "/q", "b", b"{}"),
+                ("POST", "/p", "a", b"{}"), ("POST", "/p", "b", b"")]):
+            conn.start(method, path, signed[token], body, token, 1e9)
             frames = self.sent(conn)
             fields = dict(decoder.decode(frames[0][3]))
-            self.assertEqual((fields["content-length"], fields["authorization"], fields[":path"]),
-                             (str(len(body)), "Bearer " + token, "/p"))
+            self.assertEqual((fields[":method"], fields[":path"], fields["content-length"],
+                              fields["authorization"]),
+                             (method, path, str(len(body)), "Bearer " + token))
             self.assertEqual([(kind, stream) for kind, _, stream, _ in frames],
                              [(H2_HEADERS, stream_id)] + [(H2_DATA, stream_id)] * bool(body))
             self.assertEqual(b"".join(f[3] for f in frames[1:]), body)
+
+    def test_the_last_stream_ids_are_used_then_no_stream_starts(self) -> None:
+        conn = self.open()
+        conn._next_id = andpush._H2_LAST_STREAM - 4
+        self.assertEqual(conn.free_streams, 2)
+        self.assertEqual([self.start(conn, "a"), self.start(conn, "b")],
+                         [andpush._H2_LAST_STREAM - 4, andpush._H2_LAST_STREAM - 2])
+        self.assertEqual(conn.free_streams, 0)
+        with self.assertRaises(RuntimeError):
+            self.start(conn, "c")
 
     def test_answers_alike_are_read_alike_and_others_afresh(self) -> None:
         conn = self.open()
@@ -7497,10 +7513,10 @@ class MulticastTest(HTTP2TestCase):
                        andpush.new(SERVER_KEY, ssl_context=context)):
             api = client._requests.api
             with self.subTest(api=api.name):
-                each = andpush._Multicast(api, message)
+                each = andpush._Multicast(api, message, lambda *made: made)
                 for token in tokens:
                     alone = api.prepare(dict(message, **{api.target: token}), False)
-                    self.assertEqual(each.prepare(token), alone)
+                    self.assertEqual(each.exchange(token), alone)
             client.close()
 
     def test_a_bad_message_is_each_tokens_error_as_push_would_give(self) -> None:
