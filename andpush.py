@@ -1705,9 +1705,7 @@ class _H2Connection(_H2Endpoint):
 
         ``headers`` are never changed once made, so the dict of the request before, given
         again, is known to hold the same: a burst of requests encodes them once."""
-        stream_id = self._next_id
-        if self.state != "OPEN" or len(self.streams) >= self.max_streams \
-                or stream_id >= _H2_LAST_STREAM - 1:  # what free_streams says, checked cheaply
+        if not self.free_streams:
             raise RuntimeError("no stream may start on this connection (%s)" % self.state)
         last = self._last_block
         if last[0] is headers and last[1] == path and last[2] == method:
@@ -1717,6 +1715,7 @@ class _H2Connection(_H2Endpoint):
             self._last_block = (headers, path, method, head, tail)
         length = len(body)
         content_length = _CONTENT_LENGTH_FIELDS.get(length) or _content_length_field(length)
+        stream_id = self._next_id
         self._next_id = stream_id + 2
         out = self.outgoing
         first_byte = self._written + len(out)
