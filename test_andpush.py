@@ -2416,8 +2416,8 @@ class RS256SigningTest(unittest.TestCase):
     PEMS = (TEST_RSA_KEY_PKCS8_PEM, andpush._FAKE_ACCOUNT_KEY_PEM)
 
     def setUp(self) -> None:
-        self.key = _parse_private_key(TEST_RSA_KEY_PKCS8_PEM)
         self.keys = [_parse_private_key(pem) for pem in self.PEMS]
+        self.key = self.keys[0]  # the suite's
 
     def test_b64url(self) -> None:
         self.assertEqual(_b64url(b""), "")
