@@ -1672,6 +1672,7 @@ class _H2Connection(_H2Endpoint):
         # The headers, path and method of the last request started, and their block's parts.
         self._last_block: Tuple[Any, ...] = (None, "", "", b"", b"")
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
+        self._awaited: Optional[int] = _SETTINGS  # the one kind of frame that may come next
         self._answers: Dict[Tuple[Tuple[str, str], ...], Tuple[int, Headers]] = {}
         self._last_answer: Tuple[Any, Tuple[int, Headers]] = (None, (-1, _NO_HEADERS))
         self.streams: Dict[int, _H2Stream] = {}   # in the order started
@@ -1692,9 +1693,8 @@ class _H2Connection(_H2Endpoint):
         if self.state != "OPEN":
             return 0
         free = self.max_streams - len(self.streams)
-        ids_left = (_H2_LAST_STREAM - self._next_id) // 2
-        if ids_left < free:
-            free = ids_left
+        if self._next_id + 2 * free > _H2_LAST_STREAM:  # fewer ids are left (small ints first)
+            free = (_H2_LAST_STREAM - self._next_id) // 2
         return free if free > 0 else 0
 
     # Starting and cancelling requests ------------------------------------------
@@ -1826,10 +1826,9 @@ class _H2Connection(_H2Endpoint):
         """
         streams = self.streams
         for kind, flags, stream_id, payload in self._frames(self._joined(data)):
-            if self._header_block is not None and kind != _CONTINUATION:
-                raise _H2Error("a header block was interrupted")
-            if self.state == "WAITING_FOR_SETTINGS" and kind != _SETTINGS:
-                raise _H2Error("the server's first frame was not SETTINGS")
+            if self._awaited is not None and kind != self._awaited:
+                raise _H2Error("a header block was interrupted" if self._header_block
+                               else "the server's first frame was not SETTINGS")
             if kind == _DATA:
                 self._on_data(flags, stream_id, payload)
             elif kind == _HEADERS and flags & (_END_HEADERS | _PADDED | _PRIORITY_FLAG) \
@@ -1886,6 +1885,7 @@ class _H2Connection(_H2Endpoint):
             if flags & _PRIORITY_FLAG:
                 payload = payload[5:]
             self._header_block = (stream_id, bool(flags & _END_STREAM), bytearray())
+            self._awaited = _CONTINUATION
         elif self._header_block is None or self._header_block[0] != stream_id:
             raise _H2Error("a CONTINUATION frame out of place")
         assert self._header_block is not None
@@ -1894,7 +1894,7 @@ class _H2Connection(_H2Endpoint):
             raise _H2Error("a header block over %d bytes" % _MAX_HEAD)
         if flags & _END_HEADERS:
             stream_id, end_stream, block = self._header_block
-            self._header_block = None
+            self._header_block = self._awaited = None
             self._on_headers(stream_id, end_stream, bytes(block))
 
     def _on_headers(self, stream_id: int, end_stream: bool, block: bytes) -> None:
@@ -1961,6 +1961,7 @@ class _H2Connection(_H2Endpoint):
         values = self._peer_settings(payload)
         if self.state == "WAITING_FOR_SETTINGS":
             self.state = "OPEN"
+            self._awaited = None
             self.max_streams = _H2_LAST_STREAM  # unless it says otherwise
         self.max_streams = values.get(_SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams)
 
@@ -1992,7 +1993,9 @@ class _H2Connection(_H2Endpoint):
             self._reset(stream, NetworkError("the server ended the stream without a :status",
                                              may_have_been_delivered=True))
             return
-        self._finish(stream.id, Response(stream.status, "", stream.headers, bytes(stream.body)))
+        del self.streams[stream.id]  # (it is open: the callers found it there)
+        self.finished.append(
+            (stream.key, Response(stream.status, "", stream.headers, bytes(stream.body))))
 
     def _finish(self, stream_id: int, outcome: Union[Response, Exception]) -> None:
         stream = self.streams.pop(stream_id, None)
