@@ -2838,6 +2838,9 @@ class _Engine:
         if not waiting:
             return
         now = self.clock.now()
+        # What the signer of the exchange before gave: at one instant, it gives the same.
+        signer: Optional[_Signer] = None
+        signed: Tuple[Dict[str, str], str] = ({}, "")
         while waiting:
             link, room = self._link_for(route, now, waiting[0].fresh)
             if link is None:
@@ -2846,9 +2849,15 @@ class _Engine:
             started = False
             while room and waiting:
                 exchange = waiting.popleft()
-                headers = self._sign(exchange)
-                if headers is None:
-                    break  # it waits for a token, or ended: the link may have changed
+                if exchange.signer is None:
+                    headers = exchange.headers
+                else:
+                    if exchange.signer is not signer or exchange.signed is not None:
+                        got = self._sign(exchange)
+                        if got is None:
+                            break  # it waits for a token, or ended: the link may have changed
+                        signer, signed = exchange.signer, got
+                    headers, exchange.access_token = signed
                 self._start(link, exchange, headers, now)
                 room -= 1
                 started = True
@@ -2961,11 +2970,11 @@ class _Engine:
         link.answered = True
         link.route.failed_connects = 0
 
-    def _sign(self, exchange: _Exchange) -> Optional[Dict[str, str]]:
-        """The headers of this attempt; None if the exchange waits for a token or ended."""
+    def _sign(self, exchange: _Exchange) -> Optional[Tuple[Dict[str, str], str]]:
+        """The headers and access token of this attempt of an exchange with a signer; None
+        if it waits for a token or ended."""
         signer = exchange.signer
-        if signer is None:
-            return exchange.headers
+        assert signer is not None
         try:
             signed = exchange.signed or signer.headers_now()
         except Error as exc:
@@ -2980,8 +2989,7 @@ class _Engine:
                 self._refreshing.append(signer)
                 self._fetch_token(signer)
             return None
-        headers, exchange.access_token = signed
-        return headers
+        return signed
 
     def _fetch_token(self, signer: _Signer) -> None:
         """Ask for a new access token, as one more exchange through this engine."""
