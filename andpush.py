@@ -5782,6 +5782,19 @@ def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
     return text.encode("utf-8")
 
 
+# What a JSON string escapes, as json does without ensure_ascii: '"', '\\' and controls.
+_JSON_ESCAPED = bytes(range(0x20)) + b'"\\'
+
+
+def _json_string(text: str) -> bytes:
+    """The JSON of a str, in UTF-8, as json encodes it: a device token needs no escape,
+    and is then quoted as it is, at a tenth of what json costs for one string."""
+    raw = text.encode("utf-8")
+    if len(raw.translate(None, _JSON_ESCAPED)) == len(raw):
+        return b'"' + raw + b'"'
+    return _JSON_ENCODE(text).encode("utf-8")
+
+
 def _legacy_tokens(message: Dict[str, Any]) -> Tuple[str, ...]:
     """The device tokens a legacy message goes to, in the order FCM answers for them."""
     ids = message.get("registration_ids")
@@ -5956,7 +5969,7 @@ class _Multicast:
         token = _check_device_token(token)
         if not self._path:
             self._encode()
-        body = self._head + _JSON_ENCODE(token).encode("utf-8") + self._tail
+        body = self._head + _json_string(token) + self._tail
         # The legacy API answers for a device's token, not for a /topics/ name; v1 for none.
         tokens = _legacy_tokens({self._api.target: token}) if self._per_token else ()
         return self._exchange_of(self._path, body, tokens)

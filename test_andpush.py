@@ -7618,7 +7618,8 @@ class MulticastTest(HTTP2TestCase):
         # even when a value of the message is the stand-in for the token.
         message = {"data": {"k": andpush._TOKEN_SLOT, "n": "\u00e9"},
                    "notification": {"title": '"quoted" \\ ' + andpush._TOKEN_SLOT}}
-        tokens = ["t0", 'odd"token\\\u00e9\n', andpush._TOKEN_SLOT]
+        tokens = ["t0", 'odd"token\\\u00e9\n', "back\\slash", "\x1f", "\x00", "\x7f", "\t",
+                  "\u2028\U0001f600", andpush._TOKEN_SLOT]
         context = client_context()  # no connection is made: this spares the system's CAs
         for client in (andpush.new(access_token="t", project_id="p", ssl_context=context),
                        andpush.new(SERVER_KEY, ssl_context=context)):
