@@ -5782,15 +5782,16 @@ def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
     return text.encode("utf-8")
 
 
-# What a JSON string escapes, as json does without ensure_ascii: '"', '\\' and controls.
-_JSON_ESCAPED = bytes(range(0x20)) + b'"\\'
+# Each octet of UTF-8 as itself, but those a JSON string escapes (as json does without
+# ensure_ascii: '"', '\\' and the controls), which become a space.
+_JSON_PLAIN = bytes(0x20 if octet < 0x20 or octet in b'"\\' else octet for octet in range(256))
 
 
 def _json_string(text: str) -> bytes:
     """The JSON of a str, in UTF-8, as json encodes it: a device token needs no escape,
-    and is then quoted as it is, at a tenth of what json costs for one string."""
+    and is then quoted as it is, for a fraction of what json costs for one string."""
     raw = text.encode("utf-8")
-    if len(raw.translate(None, _JSON_ESCAPED)) == len(raw):
+    if raw.translate(_JSON_PLAIN) == raw:  # (CPython gives back raw itself then)
         return b'"' + raw + b'"'
     return _JSON_ENCODE(text).encode("utf-8")
 
