@@ -1669,8 +1669,9 @@ class _H2Connection(_H2Endpoint):
         self._written = 0                  # bytes of output written, ever
         self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
         self._blocks: Dict[Tuple[Any, ...], Tuple[bytes, bytes]] = {}
-        # The headers, path and method of the last request started, and their block's parts.
-        self._last_block: Tuple[Any, ...] = (None, "", "", b"", b"")
+        # The headers, path and method of the last request started, its block's parts
+        # before and after the content-length, its body's length and its whole block.
+        self._last_block: Tuple[Any, ...] = (None, "", "", b"", b"", -1, b"")
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
         self._awaited: Optional[int] = _SETTINGS  # the one kind of frame that may come next
         self._answers: Dict[Tuple[Tuple[str, str], ...], Tuple[int, Headers]] = {}
@@ -1704,17 +1705,22 @@ class _H2Connection(_H2Endpoint):
         """Queue a request as a new stream and return its id; ``key`` names its outcome.
 
         ``headers`` are never changed once made, so the dict of the request before, given
-        again, is known to hold the same: a burst of requests encodes them once."""
+        again, is known to hold the same: a burst of requests encodes them once, and its
+        header block again only for a body of another length."""
         if not self.free_streams:
             raise RuntimeError("no stream may start on this connection (%s)" % self.state)
+        length = len(body)
         last = self._last_block
         if last[0] is headers and last[1] == path and last[2] == method:
             head, tail = last[3], last[4]
+            block = last[6] if last[5] == length else b""
         else:
             head, tail = self._header_parts(method, path, headers)
-            self._last_block = (headers, path, method, head, tail)
-        length = len(body)
-        content_length = _CONTENT_LENGTH_FIELDS.get(length) or _content_length_field(length)
+            block = b""
+        if not block:
+            block = head + (_CONTENT_LENGTH_FIELDS.get(length)
+                            or _content_length_field(length)) + tail
+            self._last_block = (headers, path, method, head, tail, length, block)
         stream_id = self._next_id
         self._next_id = stream_id + 2
         out = self.outgoing
@@ -1723,26 +1729,24 @@ class _H2Connection(_H2Endpoint):
         self.streams[stream_id] = stream
         if deadline < self._earliest:
             self._earliest = deadline
-        block_size = len(head) + len(content_length) + len(tail)
+        block_size = len(block)
         if block_size <= self._peer_frame and length <= self._peer_frame \
                 and length <= self._peer_window and length <= stream.send_window:
             # The usual request: one HEADERS frame and at most one DATA frame, joined once.
             if body:
                 frames = b"".join((
-                    _FRAME_HEAD.pack(block_size << 8 | _HEADERS, _END_HEADERS, stream_id),
-                    head, content_length, tail,
+                    _FRAME_HEAD.pack(block_size << 8 | _HEADERS, _END_HEADERS, stream_id), block,
                     _FRAME_HEAD.pack(length << 8 | _DATA, _END_STREAM, stream_id), body))
                 self._peer_window -= length
                 stream.send_window -= length
                 stream.data_queued = length
             else:
                 frames = b"".join((_FRAME_HEAD.pack(
-                    block_size << 8 | _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
-                    head, content_length, tail))
+                    block_size << 8 | _HEADERS, _END_HEADERS | _END_STREAM, stream_id), block))
             out += frames
             stream.end_byte = first_byte + len(frames)
         else:
-            self._queue_headers(stream_id, head + content_length + tail, end_stream=not body)
+            self._queue_headers(stream_id, block, end_stream=not body)
             stream.end_byte = self._written + len(out)
             stream.pending = body
             self._send_data(stream)

@@ -3320,13 +3320,14 @@ class H2ConnectionTest(H2TestCase):
 
     def test_each_request_carries_its_own_length_and_headers(self) -> None:
         # A signer gives the same headers dict while its token lasts: given again, it is not
-        # encoded again, but another dict, path or method is.
+        # encoded again, but another dict, path or method is (and another body length).
         conn = self.open()
         decoder = _HPACKDecoder(0)
         signed = {token: {"Authorization": "Bearer " + token} for token in "ab"}
         for stream_id, (method, path, token, body) in zip(range(1, 100, 2), [
                 ("POST", "/p", "a", b"{}"), ("POST", "/p", "a", b"[1, 2]"),
-                ("POST", "/p", "b", b"{}"), ("POST", "/q", "b", b"{}"), ("PUT", "/q", "b", b"{}"),
+                ("POST", "/p", "a", b"[3, 4]"), ("POST", "/p", "b", b"{}"),
+                ("POST", "/q", "b", b"{}"), ("PUT", "/q", "b", b"{}"),
                 ("POST", "/p", "a", b"{}"), ("POST", "/p", "b", b"")]):
             conn.start(method, path, signed[token], body, token, 1e9)
             frames = self.sent(conn)
