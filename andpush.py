@@ -1669,9 +1669,11 @@ class _H2Connection(_H2Endpoint):
         self._written = 0                  # bytes of output written, ever
         self._decoder = _HPACKDecoder(_H2_HEADER_TABLE)
         self._blocks: Dict[Tuple[Any, ...], Tuple[bytes, bytes]] = {}
-        # The headers, path and method of the last request started, and their block's parts.
-        self._last_block: Tuple[Any, ...] = (None, "", "", b"", b"")
+        # The headers, path and method of the last request started, its block's parts
+        # before and after the content-length, its body's length and its whole block.
+        self._last_block: Tuple[Any, ...] = (None, "", "", b"", b"", -1, b"")
         self._header_block: Optional[Tuple[int, bool, bytearray]] = None
+        self._awaited: Optional[int] = _SETTINGS  # the one kind of frame that may come next
         self._answers: Dict[Tuple[Tuple[str, str], ...], Tuple[int, Headers]] = {}
         self._last_answer: Tuple[Any, Tuple[int, Headers]] = (None, (-1, _NO_HEADERS))
         self.streams: Dict[int, _H2Stream] = {}   # in the order started
@@ -1692,9 +1694,8 @@ class _H2Connection(_H2Endpoint):
         if self.state != "OPEN":
             return 0
         free = self.max_streams - len(self.streams)
-        ids_left = (_H2_LAST_STREAM - self._next_id) // 2
-        if ids_left < free:
-            free = ids_left
+        if self._next_id + 2 * free > _H2_LAST_STREAM:  # fewer ids are left (small ints first)
+            free = (_H2_LAST_STREAM - self._next_id) // 2
         return free if free > 0 else 0
 
     # Starting and cancelling requests ------------------------------------------
@@ -1704,17 +1705,22 @@ class _H2Connection(_H2Endpoint):
         """Queue a request as a new stream and return its id; ``key`` names its outcome.
 
         ``headers`` are never changed once made, so the dict of the request before, given
-        again, is known to hold the same: a burst of requests encodes them once."""
+        again, is known to hold the same: a burst of requests encodes them once, and its
+        header block again only for a body of another length."""
         if not self.free_streams:
             raise RuntimeError("no stream may start on this connection (%s)" % self.state)
+        length = len(body)
         last = self._last_block
         if last[0] is headers and last[1] == path and last[2] == method:
             head, tail = last[3], last[4]
+            block = last[6] if last[5] == length else b""
         else:
             head, tail = self._header_parts(method, path, headers)
-            self._last_block = (headers, path, method, head, tail)
-        length = len(body)
-        content_length = _CONTENT_LENGTH_FIELDS.get(length) or _content_length_field(length)
+            block = b""
+        if not block:
+            block = head + (_CONTENT_LENGTH_FIELDS.get(length)
+                            or _content_length_field(length)) + tail
+            self._last_block = (headers, path, method, head, tail, length, block)
         stream_id = self._next_id
         self._next_id = stream_id + 2
         out = self.outgoing
@@ -1723,26 +1729,24 @@ class _H2Connection(_H2Endpoint):
         self.streams[stream_id] = stream
         if deadline < self._earliest:
             self._earliest = deadline
-        block_size = len(head) + len(content_length) + len(tail)
+        block_size = len(block)
         if block_size <= self._peer_frame and length <= self._peer_frame \
                 and length <= self._peer_window and length <= stream.send_window:
             # The usual request: one HEADERS frame and at most one DATA frame, joined once.
             if body:
                 frames = b"".join((
-                    _FRAME_HEAD.pack(block_size << 8 | _HEADERS, _END_HEADERS, stream_id),
-                    head, content_length, tail,
+                    _FRAME_HEAD.pack(block_size << 8 | _HEADERS, _END_HEADERS, stream_id), block,
                     _FRAME_HEAD.pack(length << 8 | _DATA, _END_STREAM, stream_id), body))
                 self._peer_window -= length
                 stream.send_window -= length
                 stream.data_queued = length
             else:
                 frames = b"".join((_FRAME_HEAD.pack(
-                    block_size << 8 | _HEADERS, _END_HEADERS | _END_STREAM, stream_id),
-                    head, content_length, tail))
+                    block_size << 8 | _HEADERS, _END_HEADERS | _END_STREAM, stream_id), block))
             out += frames
             stream.end_byte = first_byte + len(frames)
         else:
-            self._queue_headers(stream_id, head + content_length + tail, end_stream=not body)
+            self._queue_headers(stream_id, block, end_stream=not body)
             stream.end_byte = self._written + len(out)
             stream.pending = body
             self._send_data(stream)
@@ -1826,10 +1830,9 @@ class _H2Connection(_H2Endpoint):
         """
         streams = self.streams
         for kind, flags, stream_id, payload in self._frames(self._joined(data)):
-            if self._header_block is not None and kind != _CONTINUATION:
-                raise _H2Error("a header block was interrupted")
-            if self.state == "WAITING_FOR_SETTINGS" and kind != _SETTINGS:
-                raise _H2Error("the server's first frame was not SETTINGS")
+            if self._awaited is not None and kind != self._awaited:
+                raise _H2Error("a header block was interrupted" if self._header_block
+                               else "the server's first frame was not SETTINGS")
             if kind == _DATA:
                 self._on_data(flags, stream_id, payload)
             elif kind == _HEADERS and flags & (_END_HEADERS | _PADDED | _PRIORITY_FLAG) \
@@ -1886,6 +1889,7 @@ class _H2Connection(_H2Endpoint):
             if flags & _PRIORITY_FLAG:
                 payload = payload[5:]
             self._header_block = (stream_id, bool(flags & _END_STREAM), bytearray())
+            self._awaited = _CONTINUATION
         elif self._header_block is None or self._header_block[0] != stream_id:
             raise _H2Error("a CONTINUATION frame out of place")
         assert self._header_block is not None
@@ -1894,7 +1898,7 @@ class _H2Connection(_H2Endpoint):
             raise _H2Error("a header block over %d bytes" % _MAX_HEAD)
         if flags & _END_HEADERS:
             stream_id, end_stream, block = self._header_block
-            self._header_block = None
+            self._header_block = self._awaited = None
             self._on_headers(stream_id, end_stream, bytes(block))
 
     def _on_headers(self, stream_id: int, end_stream: bool, block: bytes) -> None:
@@ -1961,6 +1965,7 @@ class _H2Connection(_H2Endpoint):
         values = self._peer_settings(payload)
         if self.state == "WAITING_FOR_SETTINGS":
             self.state = "OPEN"
+            self._awaited = None
             self.max_streams = _H2_LAST_STREAM  # unless it says otherwise
         self.max_streams = values.get(_SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams)
 
@@ -1992,7 +1997,9 @@ class _H2Connection(_H2Endpoint):
             self._reset(stream, NetworkError("the server ended the stream without a :status",
                                              may_have_been_delivered=True))
             return
-        self._finish(stream.id, Response(stream.status, "", stream.headers, bytes(stream.body)))
+        del self.streams[stream.id]  # (it is open: the callers found it there)
+        self.finished.append(
+            (stream.key, Response(stream.status, "", stream.headers, bytes(stream.body))))
 
     def _finish(self, stream_id: int, outcome: Union[Response, Exception]) -> None:
         stream = self.streams.pop(stream_id, None)
@@ -2835,6 +2842,9 @@ class _Engine:
         if not waiting:
             return
         now = self.clock.now()
+        # What the signer of the exchange before gave: at one instant, it gives the same.
+        signer: Optional[_Signer] = None
+        signed: Tuple[Dict[str, str], str] = ({}, "")
         while waiting:
             link, room = self._link_for(route, now, waiting[0].fresh)
             if link is None:
@@ -2843,9 +2853,15 @@ class _Engine:
             started = False
             while room and waiting:
                 exchange = waiting.popleft()
-                headers = self._sign(exchange)
-                if headers is None:
-                    break  # it waits for a token, or ended: the link may have changed
+                if exchange.signer is None:
+                    headers = exchange.headers
+                else:
+                    if exchange.signer is not signer or exchange.signed is not None:
+                        got = self._sign(exchange)
+                        if got is None:
+                            break  # it waits for a token, or ended: the link may have changed
+                        signer, signed = exchange.signer, got
+                    headers, exchange.access_token = signed
                 self._start(link, exchange, headers, now)
                 room -= 1
                 started = True
@@ -2958,11 +2974,11 @@ class _Engine:
         link.answered = True
         link.route.failed_connects = 0
 
-    def _sign(self, exchange: _Exchange) -> Optional[Dict[str, str]]:
-        """The headers of this attempt; None if the exchange waits for a token or ended."""
+    def _sign(self, exchange: _Exchange) -> Optional[Tuple[Dict[str, str], str]]:
+        """The headers and access token of this attempt of an exchange with a signer; None
+        if it waits for a token or ended."""
         signer = exchange.signer
-        if signer is None:
-            return exchange.headers
+        assert signer is not None
         try:
             signed = exchange.signed or signer.headers_now()
         except Error as exc:
@@ -2977,8 +2993,7 @@ class _Engine:
                 self._refreshing.append(signer)
                 self._fetch_token(signer)
             return None
-        headers, exchange.access_token = signed
-        return headers
+        return signed
 
     def _fetch_token(self, signer: _Signer) -> None:
         """Ask for a new access token, as one more exchange through this engine."""
@@ -5771,6 +5786,20 @@ def _encode_json(message: Dict[str, Any], what: str = "message") -> bytes:
     return text.encode("utf-8")
 
 
+# Each octet of UTF-8 as itself, but those a JSON string escapes (as json does without
+# ensure_ascii: '"', '\\' and the controls), which become a space.
+_JSON_PLAIN = bytes(0x20 if octet < 0x20 or octet in b'"\\' else octet for octet in range(256))
+
+
+def _json_string(text: str) -> bytes:
+    """The JSON of a str, in UTF-8, as json encodes it: a device token needs no escape,
+    and is then quoted as it is, for a fraction of what json costs for one string."""
+    raw = text.encode("utf-8")
+    if raw.translate(_JSON_PLAIN) == raw:  # (CPython gives back raw itself then)
+        return b'"' + raw + b'"'
+    return _JSON_ENCODE(text).encode("utf-8")
+
+
 def _legacy_tokens(message: Dict[str, Any]) -> Tuple[str, ...]:
     """The device tokens a legacy message goes to, in the order FCM answers for them."""
     ids = message.get("registration_ids")
@@ -5945,7 +5974,7 @@ class _Multicast:
         token = _check_device_token(token)
         if not self._path:
             self._encode()
-        body = self._head + _JSON_ENCODE(token).encode("utf-8") + self._tail
+        body = self._head + _json_string(token) + self._tail
         # The legacy API answers for a device's token, not for a /topics/ name; v1 for none.
         tokens = _legacy_tokens({self._api.target: token}) if self._per_token else ()
         return self._exchange_of(self._path, body, tokens)

@@ -3320,13 +3320,14 @@ class H2ConnectionTest(H2TestCase):
 
     def test_each_request_carries_its_own_length_and_headers(self) -> None:
         # A signer gives the same headers dict while its token lasts: given again, it is not
-        # encoded again, but another dict, path or method is.
+        # encoded again, but another dict, path or method is (and another body length).
         conn = self.open()
         decoder = _HPACKDecoder(0)
         signed = {token: {"Authorization": "Bearer " + token} for token in "ab"}
         for stream_id, (method, path, token, body) in zip(range(1, 100, 2), [
                 ("POST", "/p", "a", b"{}"), ("POST", "/p", "a", b"[1, 2]"),
-                ("POST", "/p", "b", b"{}"), ("POST", "/q", "b", b"{}"), ("PUT", "/q", "b", b"{}"),
+                ("POST", "/p", "a", b"[3, 4]"), ("POST", "/p", "b", b"{}"),
+                ("POST", "/q", "b", b"{}"), ("PUT", "/q", "b", b"{}"),
                 ("POST", "/p", "a", b"{}"), ("POST", "/p", "b", b"")]):
             conn.start(method, path, signed[token], body, token, 1e9)
             frames = self.sent(conn)
@@ -7484,6 +7485,117 @@ class EngineTest(HTTP2TestCase):
                 andpush.new(SERVER_KEY, timeout=bad)  # type: ignore[arg-type]
 
 
+class CountingSigner:
+    """A signer whose access token is set by the test, counting the headers it gives."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.asked = 0
+
+    def headers_now(self) -> Optional[Tuple[Dict[str, str], str]]:
+        self.asked += 1
+        return {"authorization": "Bearer " + self.token}, self.token
+
+    def token_request(self) -> andpush._Exchange:
+        raise AssertionError("the token is always there")
+
+    def token_answered(self, outcome: Optional[andpush.Outcome]) -> Any:
+        raise AssertionError("the token is always there")
+
+    def invalidate(self, token: str) -> None:
+        raise AssertionError("no request is refused")
+
+
+class MemoryEngine(andpush._Engine):
+    """The engine with no driver: one HTTP/2 connection that the test hands it, whose
+    output it keeps, on a fake clock."""
+
+    def __init__(self) -> None:
+        super().__init__(10.0, 10.0, 60.0, "", andpush._Policy(None))
+        self.clock = FakeClock()
+        self.route_ = self.route("https://fcm.googleapis.com")
+
+    def open_link(self) -> andpush._H2Link:
+        """A connection up, its SETTINGS come: as a driver would hand it over."""
+        self.route_.connecting += 1
+        self._connected(self.route_, None, True, self.route_.generation)
+        (link,) = self.route_.h2
+        self._received(link, h2_settings())
+        link.conn.wrote(len(link.conn.outgoing))
+        return link
+
+    def _open(self, route: andpush._Route, count: int) -> None:
+        raise AssertionError("the test hands the engine its connection")
+
+    def _watch(self, link: andpush._Link) -> None:
+        pass
+
+    def _send(self, link: andpush._Link) -> None:
+        pass
+
+    def _shut(self, link: andpush._Link) -> None:
+        pass
+
+
+class EngineSigningTest(unittest.TestCase):
+    """Each attempt goes out with the access token its signer gives when it is placed;
+    the requests placed together are signed once, as at one instant it gives the same."""
+
+    def setUp(self) -> None:
+        self.engine = MemoryEngine()
+        self.link = self.engine.open_link()
+        self.signer = CountingSigner("first")
+        self.decoder = andpush._HPACKDecoder(4096)
+
+    def exchanges(self, count: int) -> List[andpush._Exchange]:
+        """Pushes the test's signer signs."""
+        return [andpush._Exchange(self.engine.route_, "POST", "/send", b"{}",
+                                  andpush._Retry(0, 0.0), self.signer, None, True)
+                for _ in range(count)]
+
+    def authorizations(self) -> List[str]:
+        """The authorization of each request queued since last asked, now written."""
+        conn = self.link.conn
+        frames = h2_frames(bytes(conn.outgoing))
+        conn.wrote(len(conn.outgoing))
+        return [dict(self.decoder.decode(payload))["authorization"]
+                for kind, _, _, payload in frames if kind == H2_HEADERS]
+
+    def test_requests_placed_together_are_signed_once(self) -> None:
+        burst = self.exchanges(5)
+        self.engine._begin_all(burst)
+        self.assertEqual(self.signer.asked, 1)
+        self.assertEqual(self.authorizations(), ["Bearer first"] * 5)
+        self.assertEqual([e.access_token for e in burst], ["first"] * 5)
+
+    def test_the_next_placing_asks_again_and_takes_a_new_token(self) -> None:
+        self.engine._begin_all(self.exchanges(2))
+        self.signer.token = "second"
+        later = self.exchanges(3)
+        self.engine._begin_all(later)
+        self.assertEqual(self.signer.asked, 2)
+        self.assertEqual(self.authorizations(), ["Bearer first"] * 2 + ["Bearer second"] * 3)
+        self.assertEqual([e.access_token for e in later], ["second"] * 3)
+
+    def test_a_request_given_its_headers_by_a_refresh_keeps_them(self) -> None:
+        refreshed, *rest = self.exchanges(3)
+        refreshed.signed = ({"authorization": "Bearer refreshed"}, "refreshed")
+        self.engine._begin_all([refreshed, *rest])
+        self.assertEqual(self.authorizations()[0], "Bearer refreshed")
+        self.assertEqual(refreshed.access_token, "refreshed")
+        self.assertIsNone(refreshed.signed)
+
+    def test_a_request_without_a_signer_goes_with_its_own_headers(self) -> None:
+        fixed = andpush._Exchange(self.engine.route_, "POST", "/send", b"{}",
+                                  andpush._Retry(0, 0.0), None, {"authorization": "key=fixed"},
+                                  True)
+        signed = self.exchanges(1)
+        self.engine._begin_all([*signed, fixed, *self.exchanges(1)])
+        self.assertEqual(self.authorizations(),
+                         ["Bearer first", "key=fixed", "Bearer first"])
+        self.assertEqual(self.signer.asked, 1)
+
+
 class MulticastTest(HTTP2TestCase):
     """One message to many tokens, as firebase-admin's send_each_for_multicast."""
 
@@ -7507,7 +7619,8 @@ class MulticastTest(HTTP2TestCase):
         # even when a value of the message is the stand-in for the token.
         message = {"data": {"k": andpush._TOKEN_SLOT, "n": "\u00e9"},
                    "notification": {"title": '"quoted" \\ ' + andpush._TOKEN_SLOT}}
-        tokens = ["t0", 'odd"token\\\u00e9\n', andpush._TOKEN_SLOT]
+        tokens = ["t0", 'odd"token\\\u00e9\n', "back\\slash", "\x1f", "\x00", "\x7f", "\t",
+                  "\u2028\U0001f600", andpush._TOKEN_SLOT]
         context = client_context()  # no connection is made: this spares the system's CAs
         for client in (andpush.new(access_token="t", project_id="p", ssl_context=context),
                        andpush.new(SERVER_KEY, ssl_context=context)):
