@@ -1688,7 +1688,6 @@ class _H2Connection(_H2Endpoint):
         self.last_stream_id = _H2_LAST_STREAM   # lowered by GOAWAY
         self._earliest = math.inf               # no stream's deadline is before this
 
-    @property
     def free_streams(self) -> int:
         """How many more streams may start now."""
         if self.state != "OPEN":
@@ -1707,7 +1706,7 @@ class _H2Connection(_H2Endpoint):
         ``headers`` are never changed once made, so the dict of the request before, given
         again, is known to hold the same: a burst of requests encodes them once, and its
         header block again only for a body of another length."""
-        if not self.free_streams:
+        if not self.free_streams():
             raise RuntimeError("no stream may start on this connection (%s)" % self.state)
         length = len(body)
         last = self._last_block
@@ -2882,13 +2881,13 @@ class _Engine:
             conn = h2.conn
             if conn.streams:
                 if len(conn.streams) < conn.max_streams:  # a full one costs just this compare
-                    room = conn.free_streams
+                    room = conn.free_streams()
                     if room:
                         return h2, room
             elif now - h2.idle_since > self._keep_alive_timeout:
                 self._drop(h2)
             else:
-                room = conn.free_streams
+                room = conn.free_streams()
                 if room:
                     return h2, room
         idle = route.idle
@@ -3019,8 +3018,10 @@ class _Engine:
                now: float) -> None:
         """Queue the request on ``link`` (the caller has it written). Its answer is due
         within the read timeout (or the call's own), and before its try ends."""
-        exchange.deadline = deadline = min(now + (exchange.timeout or self._read_timeout),
-                                           exchange.ends_by)
+        deadline = now + (exchange.timeout or self._read_timeout)
+        if deadline > exchange.ends_by:
+            deadline = exchange.ends_by
+        exchange.deadline = deadline
         exchange.fresh = False
         link.carried = True
         self._soon(deadline)
