@@ -4350,6 +4350,42 @@ def every_field(snake: bool) -> Dict[str, Any]:
     })
 
 
+class JSONEncodingTest(unittest.TestCase):
+    """Messages are encoded as json.JSONEncoder encodes them (compact, UTF-8 unescaped),
+    with the C encoder made once, or without it where json has none."""
+
+    VALUES: List[Any] = [
+        {"message": {"token": "t\u00e9\"\\\n", "data": {"k": "\U0001f600"}}},
+        {"n": [1, -2.5, 1e300, True, False, None], "": {}}, "a\x00b", [], 7,
+    ]
+
+    def encoders(self) -> Dict[str, Callable[[Any], str]]:
+        with unittest.mock.patch.dict(sys.modules, {"_json": None}):  # no C accelerator
+            plain = andpush._json_encoder()
+        return {"made once": andpush._json_encoder(), "without _json": plain}
+
+    def test_each_value_is_encoded_as_json_encodes_it(self) -> None:
+        expected = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+        for name, encode in self.encoders().items():
+            for value in self.VALUES:
+                with self.subTest(name, value=value):
+                    self.assertEqual(encode(value), expected.encode(value))
+
+    def test_on_cpython_the_c_encoder_is_called_directly(self) -> None:
+        encoders = self.encoders()
+        self.assertIsInstance(getattr(encoders["without _json"], "__self__", None),
+                              json.JSONEncoder)
+        self.assertIsNone(getattr(encoders["made once"], "__self__", None))
+
+    def test_what_json_refuses_is_refused_alike(self) -> None:
+        for name, encode in self.encoders().items():
+            with self.subTest(name):
+                with self.assertRaisesRegex(TypeError, "not JSON serializable"):
+                    encode({"when": datetime.datetime.now()})
+                with self.assertRaisesRegex(ValueError, "Out of range float"):
+                    encode({"x": float("nan")})
+
+
 class MessageFieldsTest(unittest.TestCase):
     """A field FCM does not know is refused before sending when it is a slip (a typo, the
     request body around the message, a legacy field, a field of another place), with what
