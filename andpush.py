@@ -5771,7 +5771,7 @@ def _check_legacy_message(message: object) -> Dict[str, Any]:
 def _json_encoder() -> Callable[[Any], str]:
     """The JSON text of a value, as json.JSONEncoder(...).encode gives it. On CPython, the
     C encoder that encode makes anew at every call (a fifth of its cost for a message)
-    is made once here, and called at once.
+    is made once here, and called directly.
 
     No check for circular references: a message that holds itself nests too deeply
     instead."""
@@ -5809,8 +5809,8 @@ _JSON_PLAIN = bytes(0x20 if octet < 0x20 or octet in b'"\\' else octet for octet
 
 
 def _json_string(text: str) -> bytes:
-    """The JSON of a str, in UTF-8, as json encodes it: a device token needs no escape,
-    and is then quoted as it is, for a fraction of what json costs for one string."""
+    """The JSON of a str, in UTF-8, as json encodes it. A device token needs no escape,
+    as a rule, and is then quoted as it is, for a fraction of what json costs."""
     raw = text.encode("utf-8")
     if raw.translate(_JSON_PLAIN) == raw:  # (CPython gives back raw itself then)
         return b'"' + raw + b'"'
