@@ -3265,7 +3265,7 @@ class H2ConnectionTest(H2TestCase):
 
     def test_no_stream_before_the_servers_settings(self) -> None:
         conn = self.connect()
-        self.assertEqual((conn.state, conn.free_streams), ("WAITING_FOR_SETTINGS", 0))
+        self.assertEqual((conn.state, conn.free_streams()), ("WAITING_FOR_SETTINGS", 0))
         with self.assertRaises(RuntimeError):
             self.start(conn, "early")
         self.assertEqual(self.sent(conn), [])
@@ -3277,31 +3277,31 @@ class H2ConnectionTest(H2TestCase):
         conn.receive(h2_settings((H2_MAX_CONCURRENT_STREAMS, 2))[:-1])
         self.assertEqual(conn.state, "WAITING_FOR_SETTINGS")
         conn.receive(h2_settings((H2_MAX_CONCURRENT_STREAMS, 2))[-1:])
-        self.assertEqual((conn.state, conn.max_streams, conn.free_streams), ("OPEN", 2, 2))
+        self.assertEqual((conn.state, conn.max_streams, conn.free_streams()), ("OPEN", 2, 2))
         self.assertEqual(self.sent(conn), [(H2_SETTINGS, H2_ACK, 0, b"")])
         conn.receive(h2_frame(H2_SETTINGS, H2_ACK))         # the ACK of ours: nothing to say
         self.assertEqual(self.sent(conn), [])
 
     def test_settings_without_a_stream_limit_leave_streams_unlimited(self) -> None:
         conn = self.open()
-        self.assertGreater(conn.free_streams, 10000)
+        self.assertGreater(conn.free_streams(), 10000)
 
     def test_max_concurrent_streams_is_followed_as_it_changes(self) -> None:
         conn = self.open((H2_MAX_CONCURRENT_STREAMS, 2))
         self.assertEqual([self.start(conn, "a"), self.start(conn, "b")], [1, 3])
-        self.assertEqual(conn.free_streams, 0)
+        self.assertEqual(conn.free_streams(), 0)
         with self.assertRaises(RuntimeError):
             self.start(conn, "c")
         conn.receive(h2_settings((H2_MAX_CONCURRENT_STREAMS, 1)))   # the limit shrinks
         self.assertEqual(conn.max_streams, 1)
         conn.receive(h2_answer(1))
         self.assertEqual(self.outcome(conn)[0], "a")
-        self.assertEqual(conn.free_streams, 0)              # one is still open: the limit
+        self.assertEqual(conn.free_streams(), 0)              # one is still open: the limit
         conn.receive(h2_answer(3))
         self.assertEqual(self.outcome(conn)[0], "b")
-        self.assertEqual(conn.free_streams, 1)
+        self.assertEqual(conn.free_streams(), 1)
         conn.receive(h2_settings((H2_MAX_CONCURRENT_STREAMS, 0)))
-        self.assertEqual(conn.free_streams, 0)
+        self.assertEqual(conn.free_streams(), 0)
 
     def test_request_headers_and_body(self) -> None:
         conn = self.open()
@@ -3342,10 +3342,10 @@ class H2ConnectionTest(H2TestCase):
     def test_the_last_stream_ids_are_used_then_no_stream_starts(self) -> None:
         conn = self.open()
         conn._next_id = andpush._H2_LAST_STREAM - 4
-        self.assertEqual(conn.free_streams, 2)
+        self.assertEqual(conn.free_streams(), 2)
         self.assertEqual([self.start(conn, "a"), self.start(conn, "b")],
                          [andpush._H2_LAST_STREAM - 4, andpush._H2_LAST_STREAM - 2])
-        self.assertEqual(conn.free_streams, 0)
+        self.assertEqual(conn.free_streams(), 0)
         with self.assertRaises(RuntimeError):
             self.start(conn, "c")
 
@@ -3444,7 +3444,7 @@ class H2ConnectionTest(H2TestCase):
         for key in "abc":
             self.start(conn, key)
         conn.receive(h2_frame(H2_GOAWAY, payload=struct.pack(">II", 3, 0)))
-        self.assertEqual((conn.state, conn.free_streams, conn.last_stream_id),
+        self.assertEqual((conn.state, conn.free_streams(), conn.last_stream_id),
                          ("GOING_AWAY", 0, 3))
         key, outcome = self.outcome(conn)
         self.assertEqual(key, "c")
@@ -3459,7 +3459,7 @@ class H2ConnectionTest(H2TestCase):
         conn = self.open()
         self.start(conn, "a")
         conn.receive(h2_frame(H2_GOAWAY, payload=struct.pack(">II", 2 ** 31 - 1, 0)))
-        self.assertEqual((conn.state, conn.free_streams, conn.finished), ("GOING_AWAY", 0, []))
+        self.assertEqual((conn.state, conn.free_streams(), conn.finished), ("GOING_AWAY", 0, []))
         conn.receive(h2_frame(H2_GOAWAY, payload=struct.pack(">II", 1, 0) + b"debug data"))
         self.assertEqual((conn.state, conn.last_stream_id, conn.finished), ("GOING_AWAY", 1, []))
         conn.receive(h2_answer(1))
@@ -3480,7 +3480,7 @@ class H2ConnectionTest(H2TestCase):
             self.assertIsInstance(outcomes[key], andpush.NetworkError)
             self.assertTrue(outcomes[key].may_have_been_delivered)
         self.assertIsInstance(outcomes["queued"], andpush._NotProcessed)
-        self.assertEqual(conn.free_streams, 0)
+        self.assertEqual(conn.free_streams(), 0)
 
     def test_abort_says_why_and_ends_every_stream(self) -> None:
         conn = self.open()
@@ -4348,6 +4348,42 @@ def every_field(snake: bool) -> Dict[str, Any]:
         "fcm_options": named({"analytics_label": "a"}),
         "android_v2": {"remote_notification": {"anything": "FCM's preview, passed on"}},
     })
+
+
+class JSONEncodingTest(unittest.TestCase):
+    """Messages are encoded as json.JSONEncoder encodes them (compact, UTF-8 unescaped),
+    with the C encoder made once, or without it where json has none."""
+
+    VALUES: List[Any] = [
+        {"message": {"token": "t\u00e9\"\\\n", "data": {"k": "\U0001f600"}}},
+        {"n": [1, -2.5, 1e300, True, False, None], "": {}}, "a\x00b", [], 7,
+    ]
+
+    def encoders(self) -> Dict[str, Callable[[Any], str]]:
+        with unittest.mock.patch.dict(sys.modules, {"_json": None}):  # no C accelerator
+            plain = andpush._json_encoder()
+        return {"made once": andpush._json_encoder(), "without _json": plain}
+
+    def test_each_value_is_encoded_as_json_encodes_it(self) -> None:
+        expected = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+        for name, encode in self.encoders().items():
+            for value in self.VALUES:
+                with self.subTest(name, value=value):
+                    self.assertEqual(encode(value), expected.encode(value))
+
+    def test_on_cpython_the_c_encoder_is_called_directly(self) -> None:
+        encoders = self.encoders()
+        self.assertIsInstance(getattr(encoders["without _json"], "__self__", None),
+                              json.JSONEncoder)
+        self.assertIsNone(getattr(encoders["made once"], "__self__", None))
+
+    def test_what_json_refuses_is_refused_alike(self) -> None:
+        for name, encode in self.encoders().items():
+            with self.subTest(name):
+                with self.assertRaisesRegex(TypeError, "not JSON serializable"):
+                    encode({"when": datetime.datetime.now()})
+                with self.assertRaisesRegex(ValueError, "Out of range float"):
+                    encode({"x": float("nan")})
 
 
 class MessageFieldsTest(unittest.TestCase):
@@ -10568,7 +10604,7 @@ class SimulationTest(unittest.TestCase):
                 andpush._H2Connection, "may_have_arrived", lambda conn, stream: False),
             "more streams than the server allows": (
                 andpush._H2Connection, "free_streams",
-                property(lambda conn: 100 - len(conn.streams) if conn.state == "OPEN" else 0)),
+                lambda conn: 100 - len(conn.streams) if conn.state == "OPEN" else 0),
             "a request waiting to go out has no deadline": (
                 andpush._Engine, "_expire_waiting", lambda engine, route, now: None),
             "the driver is woken every 2 ms for nothing": (
