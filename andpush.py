@@ -1953,10 +1953,11 @@ class _H2Connection(_H2Endpoint):
     def _on_reset(self, stream_id: int, payload: bytes) -> None:
         """The server reset a stream still open (receive passes over those ended)."""
         code = int.from_bytes(payload[:4], "big")
+        stream = self.streams[stream_id]
         if code == _REFUSED_STREAM:
-            self._finish(stream_id, _NotProcessed("the server refused the stream"))
+            self._finish(stream, _NotProcessed("the server refused the stream"))
         else:
-            self._finish(stream_id, NetworkError(
+            self._finish(stream, NetworkError(
                 "the server reset the stream (HTTP/2 error %d)" % code,
                 may_have_been_delivered=True))
 
@@ -1977,7 +1978,7 @@ class _H2Connection(_H2Endpoint):
             self.state = "GOING_AWAY"
         for stream in list(self.streams.values()):
             if stream.id > self.last_stream_id:
-                self._finish(stream.id, _NotProcessed(
+                self._finish(stream, _NotProcessed(
                     "the server's GOAWAY left the stream unprocessed"))
 
     def _unblock(self) -> None:
@@ -1996,19 +1997,17 @@ class _H2Connection(_H2Endpoint):
             self._reset(stream, NetworkError("the server ended the stream without a :status",
                                              may_have_been_delivered=True))
             return
-        del self.streams[stream.id]  # (it is open: the callers found it there)
-        self.finished.append(
-            (stream.key, Response(stream.status, "", stream.headers, bytes(stream.body))))
+        self._finish(stream, Response(stream.status, "", stream.headers, bytes(stream.body)))
 
-    def _finish(self, stream_id: int, outcome: Union[Response, Exception]) -> None:
-        stream = self.streams.pop(stream_id, None)
-        if stream is not None:
-            self.finished.append((stream.key, outcome))
+    def _finish(self, stream: _H2Stream, outcome: Union[Response, Exception]) -> None:
+        """End an open stream (every caller found it in ``streams``) with ``outcome``."""
+        del self.streams[stream.id]
+        self.finished.append((stream.key, outcome))
 
     def _reset(self, stream: _H2Stream, error: Exception) -> None:
         """Give up on a stream: tell the server, and finish it with ``error``."""
         self.outgoing += _frame(_RST_STREAM, 0, stream.id, _CANCEL.to_bytes(4, "big"))
-        self._finish(stream.id, error)
+        self._finish(stream, error)
 
     def expire(self, now: float, no_answer: Callable[[Any, bool], Exception]) -> None:
         """End the streams whose deadline (driver time, as given to ``start``) has passed,
@@ -2019,7 +2018,7 @@ class _H2Connection(_H2Endpoint):
             return
         for stream in [s for s in self.streams.values() if s.deadline <= now]:
             if self._withdraw(stream):
-                self._finish(stream.id, no_answer(stream.key, False))
+                self._finish(stream, no_answer(stream.key, False))
             else:
                 self._reset(stream, no_answer(stream.key, stream.id <= self.last_stream_id))
         self._earliest = min([s.deadline for s in self.streams.values()] + [math.inf])
@@ -2048,9 +2047,9 @@ class _H2Connection(_H2Endpoint):
         self.state = "CLOSED"
         for stream in list(self.streams.values()):
             if self.may_have_arrived(stream):
-                self._finish(stream.id, NetworkError(reason, may_have_been_delivered=True))
+                self._finish(stream, NetworkError(reason, may_have_been_delivered=True))
             else:
-                self._finish(stream.id, _NotProcessed(reason))
+                self._finish(stream, _NotProcessed(reason))
 
     def may_have_arrived(self, stream: _H2Stream) -> bool:
         """Whether the server may have processed ``stream`` once the connection is gone
