@@ -29,6 +29,9 @@ row: ``h2load/s`` and ``h2load CPU`` (its user + system time per 1,000, less its
 ``rate/h2`` and ``CPU/h2`` the row's as ratios of them. A row's batches are one h2load run, and
 for a row timed after a warm-up h2load's rate is taken after as many of its requests ended.
 The targets are all in ROWS: ratios to h2load where it applies, else to the ideal or floor.
+A row with a CPU target runs three times, taking turns with h2load (one run of a bulk row
+swings by a fifth or more): the run whose CPU figure is the median is the one judged, and the
+row's note lists all three.
 """
 
 import argparse
@@ -71,6 +74,7 @@ RTT_SAMPLES = 9  #: sequential requests whose median is the measured round trip
 IMPORT_SAMPLES = 10  #: interpreter starts whose median is an import time
 QUICK_SHARE = 5  #: --quick times this share of each row's messages
 FLOOR_SLICES = 5  #: a row compared with the floor takes turns with it this many times
+REPEATS = 3  #: a row with a CPU target runs this many times, h2load beside each: the median counts
 CEILING_CONNECTIONS = 50  #: relay-ceiling: connections through the relay ...
 CEILING_DEPTH = 100  #: ... each with this many pipelined requests in flight
 H2_STREAMS = 100  #: the server's SETTINGS_MAX_CONCURRENT_STREAMS, as FCM's
@@ -884,6 +888,9 @@ def run_h2load(row: Row, setting: Setting, count: int) -> Dict[str, Any]:
     requests), or {"error": why}."""
     command = h2load_command(row, setting, count)
     requests = row.warm + count * row.batches
+    log = command[-2][len("--log-file="):] if row.warm else ""
+    if log and os.path.exists(log):  # h2load adds to it: a repeat starts afresh
+        os.remove(log)
     before = children_cpu()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_DEADLINE)
@@ -901,12 +908,15 @@ def run_h2load(row: Row, setting: Setting, count: int) -> Dict[str, Any]:
     if not protocol or protocol.group(1) != ("h2" if row.http2 else "http/1.1"):
         return {"error": "h2load spoke %s" % (protocol and protocol.group(1))}
     return {"command": shlex.join(command), "requests": requests,
-            "rate": steady_rate(command[-2][len("--log-file="):], row.warm) if row.warm
-            else float(rate.group(1)), "cpu_per_1k": 1000 * cpu / requests}
+            "rate": steady_rate(log, row.warm) if log else float(rate.group(1)),
+            "cpu_per_1k": 1000 * cpu / requests}
 
 
 def run_row(row: Row, setting: Setting, quick: bool) -> Result:
-    """Run a row in a child process (and h2load after it), judge it against its targets."""
+    """Run a row in a child process (and h2load after it), judge it against its targets. A
+    row with a CPU target is run REPEATS times (it and h2load taking turns), as one run of a
+    bulk row swings by a fifth or more: the run whose CPU figure is the median is judged, and
+    the note gives all of them."""
     result = Result(row)
     if missing_package(row):
         result.note = "not installed (pip install %s)" % missing_package(row)
@@ -918,6 +928,30 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
     if row.http2 and setting.server != "nginx":
         result.note = "not measured: needs nginx"
         return result
+    if quick or (row.max_cpu is None and row.max_h2load_cpu is None):
+        return measure_row(row, setting, quick)
+    runs = []
+    for repeat in range(REPEATS):
+        if repeat:
+            print("running %s again (%d of %d) ..." % (row.name, repeat + 1, REPEATS),
+                  file=sys.stderr, flush=True)
+        runs.append(measure_row(row, setting, quick))
+        if runs[-1].failure:
+            return runs[-1]
+    by_h2load = row.max_h2load_cpu is not None and all("cpu_vs_h2load" in r.figures for r in runs)
+    key = "cpu_vs_h2load" if by_h2load else "cpu_per_1k"  # the figure its CPU target judges
+    runs.sort(key=lambda r: float(r.figures[key]))
+    median = runs[len(runs) // 2]
+    median.figures["cpu_runs"] = [r.figures[key] for r in runs]
+    median.note = "the median of %d runs by %s: %s" % (
+        REPEATS, "CPU/h2" if by_h2load else "CPU/1k",
+        ", ".join(("%.2fx" if by_h2load else "%.3f") % r.figures[key] for r in runs))
+    return median
+
+
+def measure_row(row: Row, setting: Setting, quick: bool) -> Result:
+    """One run of a row in a child process (and h2load after it), judged against its targets."""
+    result = Result(row)
     with open(setting.log, "rb") as f:
         offset = f.seek(0, os.SEEK_END)
     before = cpu_seconds(setting.server_pid), cpu_seconds(setting.relay_pid)
