@@ -3415,7 +3415,9 @@ class _ThreadDriver(_Engine):
                 raise ValueError("the client is closed; create a new one")
             if self.forked:
                 self._forked()
-            woken = bool(self._inbox)  # the driver was woken for what waits there already
+            # The driver sees it unwoken when it is not waiting in select (it looks before it
+            # waits), or was woken already for what waits there.
+            woken = not self._selecting or bool(self._inbox)
             self._inbox.append(work)
             if self._thread is None:
                 self._take_over(lead)
@@ -3555,7 +3557,10 @@ class _ThreadDriver(_Engine):
                 return True
         elif not self._has_work():
             timeout = 0.0  # the next step parks, unless work came meanwhile
-        self._selecting = True
+        with self._lock:
+            if self._inbox:
+                timeout = 0.0  # handed over during the turn, unwoken (see _post)
+            self._selecting = True
         ready = self._sel().select(timeout)
         self._selecting = False
         self._dispatch(ready)

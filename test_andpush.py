@@ -7632,6 +7632,72 @@ class EngineSigningTest(unittest.TestCase):
         self.assertEqual(self.signer.asked, 1)
 
 
+class CountingWake:
+    """The thread driver's wake-up socket, counting the wakes sent."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def send(self, data: bytes) -> int:
+        self.sent += 1
+        return len(data)
+
+
+class RecordingSelector:
+    """A selector with nothing ever ready, keeping the timeout of each wait."""
+
+    def __init__(self) -> None:
+        self.timeouts: List[Optional[float]] = []
+
+    def select(self, timeout: Optional[float]) -> List[Any]:
+        self.timeouts.append(timeout)
+        return []
+
+
+class ThreadDriverHandoverTest(unittest.TestCase):
+    """Work handed to the thread driver from another thread wakes its selector only if it
+    waits there: mid-turn, it looks at what was handed over before it waits, and then
+    does not wait."""
+
+    def setUp(self) -> None:
+        self.driver = andpush._ThreadDriver(ssl.create_default_context(), 10.0, 10.0, 60.0, "",
+                                            andpush._Policy(None))
+        self.driver._thread = threading.Thread()  # another thread runs the driver
+        self.wake = CountingWake()
+        self.selector = RecordingSelector()
+        self.driver._wake_w = self.wake  # type: ignore[assignment]
+        self.driver._selector = self.selector  # type: ignore[assignment]
+
+    def test_work_handed_over_mid_turn_sends_no_wake(self) -> None:
+        self.driver._post(lambda: None)
+        self.driver._post(lambda: None)
+        self.assertEqual(self.wake.sent, 0)
+        self.assertEqual(len(self.driver._inbox), 2)
+
+    def test_work_handed_over_while_the_driver_waits_sends_one_wake(self) -> None:
+        self.driver._selecting = True
+        self.driver._post(lambda: None)
+        self.driver._post(lambda: None)
+        self.assertEqual(self.wake.sent, 1)
+
+    def turn_with(self, work: Callable[[], None]) -> Optional[float]:
+        """The timeout of the wait that ends a turn of the driver which has ``work`` to do
+        first, and something else due in 30 s."""
+        self.driver._turn = lambda: 30.0  # type: ignore[method-assign]
+        self.driver._has_work = lambda: True  # type: ignore[method-assign]
+        self.driver._post(work)
+        self.assertTrue(self.driver._step())
+        (timeout,) = self.selector.timeouts
+        return timeout
+
+    def test_a_turn_handed_work_unwoken_does_not_wait(self) -> None:
+        self.assertEqual(self.turn_with(lambda: self.driver._post(lambda: None)), 0.0)
+        self.assertEqual(self.wake.sent, 0)
+
+    def test_a_turn_handed_nothing_waits_for_what_is_due(self) -> None:
+        self.assertEqual(self.turn_with(lambda: None), 30.0)
+
+
 class MulticastTest(HTTP2TestCase):
     """One message to many tokens, as firebase-admin's send_each_for_multicast."""
 
