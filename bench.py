@@ -29,9 +29,9 @@ row: ``h2load/s`` and ``h2load CPU`` (its user + system time per 1,000, less its
 ``rate/h2`` and ``CPU/h2`` the row's as ratios of them. A row's batches are one h2load run, and
 for a row timed after a warm-up h2load's rate is taken after as many of its requests ended.
 The targets are all in ROWS: ratios to h2load where it applies, else to the ideal or floor.
-A row with a CPU target runs three times, taking turns with h2load (one run of a bulk row
-swings by a fifth or more): the run whose CPU figure is the median is the one judged, and the
-row's note lists all three.
+A bulk row with a CPU target (CPU/1k, or CPU/h2) runs three times, taking turns with h2load
+(one run swings by a fifth or more): the run whose CPU figure is the median is the one judged,
+and the row's note lists all three.
 """
 
 import argparse
@@ -74,7 +74,7 @@ RTT_SAMPLES = 9  #: sequential requests whose median is the measured round trip
 IMPORT_SAMPLES = 10  #: interpreter starts whose median is an import time
 QUICK_SHARE = 5  #: --quick times this share of each row's messages
 FLOOR_SLICES = 5  #: a row compared with the floor takes turns with it this many times
-REPEATS = 3  #: a row with a CPU target runs this many times, h2load beside each: the median counts
+REPEATS = 3  #: runs of a bulk row with a CPU target, h2load beside each: the median counts
 CEILING_CONNECTIONS = 50  #: relay-ceiling: connections through the relay ...
 CEILING_DEPTH = 100  #: ... each with this many pipelined requests in flight
 H2_STREAMS = 100  #: the server's SETTINGS_MAX_CONCURRENT_STREAMS, as FCM's
@@ -913,10 +913,11 @@ def run_h2load(row: Row, setting: Setting, count: int) -> Dict[str, Any]:
 
 
 def run_row(row: Row, setting: Setting, quick: bool) -> Result:
-    """Run a row in a child process (and h2load after it), judge it against its targets. A
-    row with a CPU target is run REPEATS times (it and h2load taking turns), as one run of a
-    bulk row swings by a fifth or more: the run whose CPU figure is the median is judged, and
-    the note gives all of them."""
+    """Run a row in a child process (and h2load after it), judge it against its targets.
+
+    A bulk row with a CPU target (max_cpu, max_h2load_cpu) runs REPEATS times, it and h2load
+    taking turns, as one run swings by a fifth or more: the run whose CPU figure is the
+    median is judged, and the note gives all of them."""
     result = Result(row)
     if missing_package(row):
         result.note = "not installed (pip install %s)" % missing_package(row)
