@@ -29,9 +29,10 @@ row: ``h2load/s`` and ``h2load CPU`` (its user + system time per 1,000, less its
 ``rate/h2`` and ``CPU/h2`` the row's as ratios of them. A row's batches are one h2load run, and
 for a row timed after a warm-up h2load's rate is taken after as many of its requests ended.
 The targets are all in ROWS: ratios to h2load where it applies, else to the ideal or floor.
-A bulk row with a CPU target (CPU/1k, or CPU/h2) runs three times, taking turns with h2load
-(one run swings by a fifth or more): the run whose CPU figure is the median is the one judged,
-and the row's note lists all three.
+A row whose CPU per message is judged (by a target of its own, or as what another row's is
+measured against: push-h1 for push-h2) runs three times, taking turns with h2load where it
+applies, as one run swings by a fifth or more: the run whose CPU figure is the median is the
+one judged, and the row's note lists all three.
 """
 
 import argparse
@@ -74,7 +75,7 @@ RTT_SAMPLES = 9  #: sequential requests whose median is the measured round trip
 IMPORT_SAMPLES = 10  #: interpreter starts whose median is an import time
 QUICK_SHARE = 5  #: --quick times this share of each row's messages
 FLOOR_SLICES = 5  #: a row compared with the floor takes turns with it this many times
-REPEATS = 3  #: runs of a bulk row with a CPU target, h2load beside each: the median counts
+REPEATS = 3  #: runs of a row whose CPU is judged (see judged_on_cpu): the median counts
 CEILING_CONNECTIONS = 50  #: relay-ceiling: connections through the relay ...
 CEILING_DEPTH = 100  #: ... each with this many pipelined requests in flight
 H2_STREAMS = 100  #: the server's SETTINGS_MAX_CONCURRENT_STREAMS, as FCM's
@@ -915,8 +916,8 @@ def run_h2load(row: Row, setting: Setting, count: int) -> Dict[str, Any]:
 def run_row(row: Row, setting: Setting, quick: bool) -> Result:
     """Run a row in a child process (and h2load after it), judge it against its targets.
 
-    A bulk row with a CPU target (max_cpu, max_h2load_cpu) runs REPEATS times, it and h2load
-    taking turns, as one run swings by a fifth or more: the run whose CPU figure is the
+    A row whose CPU is judged (judged_on_cpu) runs REPEATS times, taking turns with h2load
+    where it applies, as one run swings by a fifth or more: the run whose CPU figure is the
     median is judged, and the note gives all of them."""
     result = Result(row)
     if missing_package(row):
@@ -929,7 +930,7 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
     if row.http2 and setting.server != "nginx":
         result.note = "not measured: needs nginx"
         return result
-    if quick or (row.max_cpu is None and row.max_h2load_cpu is None):
+    if quick or not judged_on_cpu(row):
         return measure_row(row, setting, quick)
     runs = []
     for repeat in range(REPEATS):
@@ -948,6 +949,13 @@ def run_row(row: Row, setting: Setting, quick: bool) -> Result:
         REPEATS, "CPU/h2" if by_h2load else "CPU/1k",
         ", ".join(("%.2fx" if by_h2load else "%.3f") % r.figures[key] for r in runs))
     return median
+
+
+def judged_on_cpu(row: Row) -> bool:
+    """Whether a row's CPU per message is judged: by a target of its own, or as the CPU
+    another row's target is measured against."""
+    return (row.max_cpu is not None or row.max_h2load_cpu is not None
+            or bool(row.cpu_below[0]) or any(other.cpu_below[0] == row.name for other in ROWS))
 
 
 def measure_row(row: Row, setting: Setting, quick: bool) -> Result:
