@@ -3351,7 +3351,9 @@ class _ThreadDriver(_Engine):
         self._selector: Optional[selectors.BaseSelector] = None  # while connections are open
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
-        self._selecting = False  # the running thread waits in select: the state is whole
+        # The running thread waits in select (or will, having found no work handed over:
+        # set under the lock): the state is whole, and work handed over must wake it.
+        self._selecting = False
         _THREAD_DRIVERS.add(self)
 
     # Any thread -------------------------------------------------------------------
