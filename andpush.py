@@ -3785,9 +3785,11 @@ class _AsyncDriver(_Engine):
             if not done.done():
                 done.set_result(None)
         exchange.on_done = finished
-        self._guarded(self._arrive, exchange)
+        self._arrive(exchange)
         if len(self._arrived) >= _RUN:  # the turn comes after every task ready before it
             self._guarded(self._begin_arrived)
+        else:
+            self.wake()
         try:
             await done
         except BaseException:
